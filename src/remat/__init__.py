@@ -1,0 +1,54 @@
+"""remat: train networks that do not fit in memory.
+
+Profile a training step, capture the model as a costed chain or graph, plan what to keep and
+what to recompute, and apply the plan in one line. The planning core (``Chain``, ``Plan``,
+``simulate``, ``plan``, ``pareto``) imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.api import ParetoPoint, pareto, plan
+from remat.costs import Chain
+from remat.planners import BudgetTooSmallError, available
+from remat.plans import Plan, PlanError, Segment
+from remat.simulate import Simulation, simulate
+from remat.units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Chain",
+    "Plan",
+    "Segment",
+    "PlanError",
+    "Simulation",
+    "simulate",
+    "plan",
+    "pareto",
+    "ParetoPoint",
+    "BudgetTooSmallError",
+    "available",
+    "parse_bytes",
+    "format_bytes",
+]
+
+# torch-side entry points, imported on first use so that `import remat` stays light.
+_LAZY = {
+    "profile": ("remat.profile", "profile"),
+    "capture_chain": ("remat.capture", "capture_chain"),
+    "apply": ("remat.runtime", "apply"),
+    "auto": ("remat.auto", "auto"),
+    "zoo": ("remat.zoo", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")

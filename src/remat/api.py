@@ -1,0 +1,111 @@
+"""The planning entry points: :func:`plan` and :func:`pareto` (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from remat.costs import Chain
+from remat.planners import BudgetTooSmallError, available, get_planner
+from remat.plans import Plan
+from remat.simulate import simulate
+from remat.units import parse_bytes
+
+__all__ = ["plan", "pareto", "ParetoPoint"]
+
+
+def plan(
+    chain: Chain, method: str = "optimal-time", budget: int | float | str | None = None
+) -> Plan:
+    """Plan ``chain`` with the planner ``method`` under a peak-memory ``budget``.
+
+    ``budget`` is the peak activation memory that :func:`remat.simulate` predicts (bytes, or a
+    string such as ``"512MiB"``); ``None`` lets the planner pick its default. The returned plan
+    carries its simulated peak and time and the chain's fingerprint. Raises
+    :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
+
+    >>> from remat import Chain
+    >>> p = plan(Chain.homogeneous(16), method="chen-sqrt")
+    >>> p.method, p.predicted_peak_bytes is not None
+    ('chen-sqrt', True)
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    result = get_planner(method)(chain, budget_bytes).for_chain(chain)
+    sim = simulate(chain, result)
+    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+        raise BudgetTooSmallError(
+            budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
+        )
+    params = dict(result.params)
+    if budget_bytes is not None:
+        params.setdefault("budget_bytes", budget_bytes)
+    return replace(
+        result,
+        method=method,
+        params=params,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time=sim.total_time,
+        chain_fingerprint=chain.fingerprint,
+    )
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One plan on the memory–time plane."""
+
+    method: str
+    """Planner name."""
+    budget_bytes: int | None
+    """Budget the planner was given (None: its default)."""
+    peak_bytes: int
+    """Simulated peak activation bytes."""
+    total_time: float
+    """Simulated forward + recomputation + backward time."""
+    plan: Plan
+    """The plan itself."""
+
+
+def pareto(
+    chain: Chain, methods: list[str] | None = None, num_budgets: int = 12
+) -> dict[str, list[ParetoPoint]]:
+    """Each planner's points on the memory–time plane over a sweep of budgets.
+
+    Budgets run evenly from the smallest peak any planner reached to the unplanned peak. Budget
+    planners that cannot meet a budget simply have no point there. Returns, per method, its
+    points sorted by peak with dominated points removed (that method's frontier).
+    """
+    methods = methods or available()
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    floor_points: list[ParetoPoint] = []
+    for method in methods:
+        try:
+            p = plan(chain, method)
+        except BudgetTooSmallError:
+            continue
+        floor_points.append(
+            ParetoPoint(method, None, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
+        )
+    low = min((pt.peak_bytes for pt in floor_points), default=top)
+    budgets = sorted(
+        {int(low + (top - low) * k / max(1, num_budgets - 1)) for k in range(num_budgets)}
+    )
+    result: dict[str, list[ParetoPoint]] = {}
+    for method in methods:
+        points = [pt for pt in floor_points if pt.method == method]
+        for b in budgets:
+            try:
+                p = plan(chain, method, b)
+            except BudgetTooSmallError:
+                continue
+            points.append(
+                ParetoPoint(method, b, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
+            )
+        result[method] = _frontier(points)
+    return result
+
+
+def _frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
+    best: list[ParetoPoint] = []
+    for pt in sorted(points, key=lambda q: (q.peak_bytes, q.total_time)):
+        if not best or pt.total_time < best[-1].total_time:
+            best.append(pt)
+    return best

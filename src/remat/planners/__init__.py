@@ -1,0 +1,96 @@
+"""Planners: pure functions ``(chain, budget) -> Plan``, selected by name.
+
+Every planner has the signature ``planner(chain: Chain, budget: int | None) -> Plan`` and is
+registered under a name with :func:`register`. ``budget`` is the peak activation memory in bytes
+that :func:`remat.simulate` must predict for the plan (``None``: the planner's own default).
+Planners never import torch. :func:`remat.plan` is the public entry point: it parses the budget,
+calls the planner, and stamps the plan with its simulated cost.
+
+Registered planners (name -> module):
+
+==================  ===========================  =============================================
+``none``            ``baselines``                store everything
+``every-stage``     ``baselines``                checkpoint each stage
+``chen-sqrt``       ``chen``                     Chen et al. 2016, sqrt(n) equal segments
+``chen-budget``     ``chen``                     Chen et al. 2016, Alg. 3 greedy + search over B
+``chen-recursive``  ``chen``                     Chen et al. 2016, recursive O(log n) memory
+``hong-dp``         ``hong``                     Hong et al., optimal subset, O(n^3) DP
+``hong-linear``     ``hong``                     Hong et al., the linear-time algorithm
+``reforward``       ``reforward``                Feng & Huang, optimal for linear graphs
+``optimal-time``    ``optimal_time``             Beaumont et al. 2019 (rotor), min time
+==================  ===========================  =============================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from remat.costs import Chain
+from remat.plans import Plan
+
+__all__ = ["register", "get_planner", "available", "Planner", "BudgetTooSmallError"]
+
+Planner = Callable[[Chain, "int | None"], Plan]
+
+_REGISTRY: dict[str, Planner] = {}
+_MODULES = ("baselines", "chen", "hong", "reforward", "optimal_time")
+
+
+class BudgetTooSmallError(ValueError):
+    """No plan of the chosen planner fits the budget; ``minimum_bytes`` says what would."""
+
+    def __init__(
+        self, budget_bytes: int, minimum_bytes: int, method: str, detail: str = ""
+    ) -> None:
+        from remat.units import format_bytes
+
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        self.method = method
+        message = (
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the minimum "
+            f"feasible peak {format_bytes(minimum_bytes)} ({minimum_bytes} B) for planner "
+            f"{method!r}: raise the budget to at least {minimum_bytes} B"
+        )
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+
+def register(name: str) -> Callable[[Planner], Planner]:
+    """Decorator: register ``fn`` as the planner called ``name``."""
+
+    def wrap(fn: Planner) -> Planner:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"planner {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def _load_all() -> None:
+    for module in _MODULES:
+        try:
+            importlib.import_module(f"remat.planners.{module}")
+        except ModuleNotFoundError as err:  # a planner module not written yet
+            if err.name != f"remat.planners.{module}":
+                raise
+
+
+def available() -> list[str]:
+    """Names of every registered planner."""
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_planner(name: str) -> Planner:
+    """The planner registered as ``name`` (clear error listing the names otherwise)."""
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown planner {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
+        ) from None

@@ -1,0 +1,21 @@
+"""Baselines: store everything (``none``) and checkpoint every stage (``every-stage``)."""
+
+from __future__ import annotations
+
+from remat.costs import Chain
+from remat.planners import register
+from remat.plans import Plan
+
+__all__ = ["plan_none", "plan_every_stage"]
+
+
+@register("none")
+def plan_none(chain: Chain, budget: int | None = None) -> Plan:
+    """Keep every activation: the fastest plan and the largest peak."""
+    return Plan.none(chain)
+
+
+@register("every-stage")
+def plan_every_stage(chain: Chain, budget: int | None = None) -> Plan:
+    """Checkpoint every stage separately (``torch.utils.checkpoint`` around each block)."""
+    return Plan.every_stage(chain)

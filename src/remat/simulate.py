@@ -1,0 +1,226 @@
+"""The single source of truth for what a plan costs: :func:`simulate`.
+
+:func:`simulate` walks a :class:`~remat.plans.Plan` over a :class:`~remat.costs.Chain` the way the
+executor (nested non-reentrant ``torch.utils.checkpoint``) runs it, with reference counts on
+every activation, and returns the peak activation memory, the time, and a per-operation
+timeline. Every planner is tested against it; the executor is tested against it.
+
+The rules (docs/cost-model.md has them with pictures):
+
+* ``a[0]`` (the input, ``input_bytes``) is live for the whole step.
+* **Stored stage** ``i`` (forward with autograd, ``F_all``): allocates ``saved_bytes[i]`` (its
+  output ``a[i]`` plus the internal tensors it saves); holds ``a[i-1]``, ``a[i]`` and the internal
+  tensors until its backward. Peak during it: live + ``fwd_overhead_bytes[i]``.
+* **Stage run without grad** (inside a checkpointed segment, ``F_none``): allocates ``a[i]``;
+  ``a[i-1]`` is freed unless something holds it. Peak: live + ``fwd_overhead_bytes[i]``.
+* **Checkpointed segment**: holds its input ``a[start-1]`` from its forward to the end of its
+  backward. Backward: recompute the segment under its sub-plan (the recomputed output is
+  dropped unless a stored stage keeps it), then back-propagate the sub-plan.
+* **Loss**: after the forward, the gradient ``δ[n]`` (``out_bytes[n]``) is allocated and the
+  running output is released.
+* **Backward of stage** ``i`` (``B``): allocates ``δ[i-1]`` (not for ``i = 1``: the input gets no
+  gradient); peak: live + ``bwd_overhead_bytes[i]``; then frees ``δ[i]`` and releases what stage
+  ``i`` held.
+
+Example:
+    >>> from remat import Chain, Plan
+    >>> chain = Chain.homogeneous(4, out_bytes=10)
+    >>> simulate(chain, Plan.none()).peak_bytes      # a0 + 4 activations + δ4 + δ3
+    70
+    >>> simulate(chain, Plan.every_stage()).recompute_time
+    4.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.costs import Chain
+from remat.plans import Plan, Segment
+
+__all__ = ["simulate", "Simulation", "Event"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One operation of the simulated step."""
+
+    op: str
+    """``"F_all"`` (stored forward), ``"F_none"`` (forward without grad), ``"loss"``, ``"B"``."""
+    stage: int
+    """Stage index (1-based); 0 for the loss."""
+    recompute: bool
+    """True for a forward that repeats work already done (recomputation)."""
+    peak_bytes: int
+    """Highest live bytes during the operation (transients included)."""
+    live_bytes: int
+    """Live bytes right after the operation."""
+    time: float
+    """Time of the operation."""
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a plan costs on a chain, as predicted by :func:`simulate`."""
+
+    peak_bytes: int
+    """Peak activation memory over the whole step: input, activations, saved tensors,
+    activation gradients and transients (parameters and optimizer state are not included)."""
+    total_time: float
+    """Forward + recomputation + backward time."""
+    forward_time: float
+    """Time of the first forward of every stage (no recomputation)."""
+    backward_time: float
+    """Time of every stage's backward."""
+    recompute_time: float
+    """Time spent in recomputation (forwards beyond the first of each stage)."""
+    forward_peak_bytes: int
+    """Peak memory during the first forward pass alone."""
+    forward_counts: tuple[int, ...]
+    """How many times each stage's forward runs (1 = never recomputed)."""
+    timeline: tuple[Event, ...]
+    """Every operation in execution order."""
+
+    @property
+    def overhead(self) -> float:
+        """Recomputation time relative to one plain forward + backward (0.0 = none)."""
+        base = self.forward_time + self.backward_time
+        return self.recompute_time / base if base else 0.0
+
+
+def simulate(chain: Chain, plan: Plan) -> Simulation:
+    """Simulate one training step of ``chain`` under ``plan`` (see the module docstring)."""
+    plan = plan.for_chain(chain)
+    return _Simulator(chain).run(plan.segments)
+
+
+class _Simulator:
+    """Reference-counted memory walk over the segment tree. Keys name buffers uniquely."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self.size: dict[object, int] = {}
+        self.refs: dict[object, int] = {}
+        self.live = 0
+        self.peak = 0
+        self.events: list[Event] = []
+        self.counts = [0] * chain.n
+        self.time = 0.0
+        self.version = 0
+        # what a stored stage / checkpointed segment holds until its backward
+        self.stage_holds: dict[int, tuple[object, ...]] = {}
+        self.segment_input: dict[int, object] = {}
+
+    # -------------------------------------------------------------- buffers
+    def _alloc(self, key: object, nbytes: int) -> object:
+        self.size[key] = nbytes
+        self.refs[key] = 1
+        self.live += nbytes
+        return key
+
+    def _ref(self, key: object) -> None:
+        self.refs[key] += 1
+
+    def _unref(self, key: object) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.live -= self.size.pop(key)
+            del self.refs[key]
+
+    def _new_key(self, kind: str, i: int) -> tuple[str, int, int]:
+        self.version += 1
+        return (kind, i, self.version)
+
+    def _peak(self, transient: int) -> int:
+        """Live bytes plus a transient, folded into the running peak."""
+        peak = self.live + transient
+        self.peak = max(self.peak, peak)
+        return peak
+
+    def _record(self, op: str, stage: int, recompute: bool, peak: int, t: float) -> None:
+        """Append an event; call it after the operation's frees so live_bytes is 'after'."""
+        self.time += t
+        self.events.append(Event(op, stage, recompute, peak, self.live, t))
+
+    # -------------------------------------------------------------- walk
+    def run(self, segments: Sequence[Segment]) -> Simulation:
+        c = self.chain
+        a0 = self._alloc(("a", 0, 0), c.input_bytes)
+        self.peak = self.live
+        self._ref(a0)  # the input stays live for the whole step (held by the caller)
+        out = self._forward(segments, a0)
+        forward_peak = self.peak
+        grad = self._alloc(self._new_key("d", c.n), c.out_bytes[-1])
+        peak = self._peak(0)
+        self._unref(out)
+        self._record("loss", 0, False, peak, 0.0)
+        grad = self._backward(segments, grad)
+        assert grad is None
+        forward_time = c.total_fwd_time()
+        backward_time = c.total_bwd_time()
+        return Simulation(
+            peak_bytes=self.peak,
+            total_time=self.time,
+            forward_time=forward_time,
+            backward_time=backward_time,
+            recompute_time=max(0.0, self.time - forward_time - backward_time),
+            forward_peak_bytes=forward_peak,
+            forward_counts=tuple(self.counts),
+            timeline=tuple(self.events),
+        )
+
+    def _forward(self, segments: Sequence[Segment], inp: object) -> object:
+        """Run ``segments`` forward from ``inp`` (caller's running reference, consumed)."""
+        cur = inp
+        for seg in segments:
+            if seg.checkpoint:
+                self._ref(cur)
+                self.segment_input[id(seg)] = cur
+                for i in seg.stages():
+                    cur = self._stage_forward(i, cur, store=False)
+            else:
+                for i in seg.stages():
+                    cur = self._stage_forward(i, cur, store=True)
+        return cur
+
+    def _stage_forward(self, i: int, inp: object, store: bool) -> object:
+        c = self.chain
+        out = self._alloc(self._new_key("a", i), c.out_bytes[i - 1])
+        if store:
+            internal = self._alloc(self._new_key("x", i), c.saved_bytes[i - 1] - c.out_bytes[i - 1])
+            self._ref(inp)
+            self._ref(out)
+            self.stage_holds[i] = (inp, out, internal)
+        recompute = self.counts[i - 1] > 0
+        self.counts[i - 1] += 1
+        peak = self._peak(c.fwd_overhead_bytes[i - 1])
+        self._unref(inp)
+        self._record("F_all" if store else "F_none", i, recompute, peak, c.fwd_time[i - 1])
+        return out
+
+    def _backward(self, segments: Sequence[Segment], grad: object) -> object | None:
+        """Back-propagate ``segments`` given the gradient of their output; return the input's."""
+        for seg in reversed(segments):
+            if seg.checkpoint:
+                inp = self.segment_input.pop(id(seg))
+                self._ref(inp)  # running reference for the recomputation
+                out = self._forward(seg.children, inp)
+                self._unref(out)
+                grad = self._backward(seg.children, grad)
+                self._unref(inp)  # the segment no longer holds its input
+            else:
+                for i in reversed(seg.stages()):
+                    grad = self._stage_backward(i, grad)
+        return grad
+
+    def _stage_backward(self, i: int, grad: object | None) -> object | None:
+        c = self.chain
+        new_grad = self._alloc(self._new_key("d", i - 1), c.out_bytes[i - 2]) if i > 1 else None
+        peak = self._peak(c.bwd_overhead_bytes[i - 1])
+        if grad is not None:
+            self._unref(grad)
+        for key in self.stage_holds.pop(i):
+            self._unref(key)
+        self._record("B", i, False, peak, c.bwd_time[i - 1])
+        return new_grad
