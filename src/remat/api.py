@@ -10,7 +10,7 @@ from remat.plans import Plan
 from remat.simulate import simulate
 from remat.units import parse_bytes
 
-__all__ = ["plan", "pareto", "ParetoPoint"]
+__all__ = ["plan", "pareto", "ParetoPoint", "compare", "Comparison"]
 
 
 def plan(
@@ -109,3 +109,47 @@ def _frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
         if not best or pt.total_time < best[-1].total_time:
             best.append(pt)
     return best
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One planner's answer for a chain, for side-by-side tables."""
+
+    method: str
+    """Planner name."""
+    peak_bytes: int | None
+    """Simulated peak activation bytes (None when the planner failed)."""
+    total_time: float | None
+    """Simulated total time (None when the planner failed)."""
+    recompute_time: float | None
+    """Simulated recomputation time."""
+    plan_seconds: float
+    """Wall time the planner took."""
+    plan: Plan | None
+    """The plan (None when the planner failed)."""
+    error: str = ""
+    """Why the planner gave no plan (e.g. the budget is below its minimum)."""
+
+
+def compare(
+    chain: Chain, methods: list[str] | None = None, budget: int | float | str | None = None
+) -> list[Comparison]:
+    """Run every planner (or ``methods``) on ``chain`` at ``budget``; one row each."""
+    import time
+
+    rows = []
+    for method in methods or available():
+        start = time.perf_counter()
+        try:
+            p = plan(chain, method, budget)
+        except BudgetTooSmallError as err:
+            rows.append(
+                Comparison(method, None, None, None, time.perf_counter() - start, None, str(err))
+            )
+            continue
+        elapsed = time.perf_counter() - start
+        sim = simulate(chain, p)
+        rows.append(
+            Comparison(method, sim.peak_bytes, sim.total_time, sim.recompute_time, elapsed, p)
+        )
+    return rows

@@ -1,0 +1,117 @@
+"""``remat plan``: plan a chain (JSON file, built-in chain or model) with one or every planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from remat.api import Comparison, compare
+from remat.costs import Chain
+from remat.units import format_bytes, format_time
+
+__all__ = ["add_parser", "run", "load_chain", "format_comparison"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="plan which activations to keep and which to recompute",
+        description=(
+            "Plan SOURCE with one planner (--method) or all of them side by side (default). "
+            "SOURCE is a chain JSON file (remat.Chain.to_json), 'homogeneous:N', "
+            "'random:N[:SEED]', a zoo model name or package.module:factory (captured first)."
+        ),
+    )
+    p.add_argument("source", help="chain JSON file, homogeneous:N, random:N[:SEED], or a model")
+    p.add_argument("--method", help="one planner (default: every planner side by side)")
+    p.add_argument("--budget", help="peak activation budget, bytes or e.g. '512MiB'")
+    p.add_argument("--batch", type=int, help="batch size when SOURCE is a model")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--out", type=Path, help="write the plan (with --method) as JSON here")
+    return p
+
+
+def load_chain(source: str, batch: int | None = None) -> Chain:
+    """A chain from a JSON file, a synthetic spec, or a model captured on its example batch."""
+    path = Path(source)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"no chain file {source!r}")
+        return Chain.from_json(path.read_text())
+    kind, _, rest = source.partition(":")
+    if kind == "homogeneous" and rest.isdigit():
+        return Chain.homogeneous(int(rest), out_bytes=2**20, saved_bytes=4 * 2**20)
+    if kind == "random" and rest:
+        n, _, seed = rest.partition(":")
+        return Chain.random(int(n), seed=int(seed) if seed else 0, max_bytes=2**20)
+    from remat import zoo
+    from remat.capture import capture_chain
+
+    entry = zoo.get(source, batch_size=batch)
+    return capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
+
+
+def format_comparison(chain: Chain, rows: list[Comparison]) -> str:
+    """A text table: one row per planner, memory and time relative to storing everything."""
+    from remat.plans import Plan
+    from remat.simulate import simulate
+
+    base = simulate(chain, Plan.none(chain))
+    unit = format_time if chain.time_unit == "s" else (lambda t: f"{t:.3g} flop")
+    header = (
+        f"{'planner':<15} {'peak':>12} {'memory':>7} {'time':>12} {'time':>6} "
+        f"{'plan time':>10}  plan"
+    )
+    lines = [
+        f"chain: {chain.n} stages, store-all peak {format_bytes(base.peak_bytes)}, "
+        f"step {unit(base.total_time)}",
+        header,
+        f"{'':<15} {'':>12} {'ratio':>7} {'':>12} {'ratio':>6}",
+    ]
+    for row in rows:
+        if row.plan is None or row.peak_bytes is None or row.total_time is None:
+            lines.append(
+                f"{row.method:<15} {'-':>12} {'-':>7} {'-':>12} {'-':>6} "
+                f"{row.plan_seconds:>9.3f}s  {row.error}"
+            )
+            continue
+        describe = row.plan.describe()
+        if len(describe) > 60:
+            describe = describe[:57] + "..."
+        lines.append(
+            f"{row.method:<15} {format_bytes(row.peak_bytes):>12} "
+            f"{row.peak_bytes / base.peak_bytes:>7.3f} {unit(row.total_time):>12} "
+            f"{row.total_time / base.total_time:>6.3f} {row.plan_seconds:>9.3f}s  {describe}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    chain = load_chain(args.source, args.batch)
+    methods = [args.method] if args.method else None
+    rows = compare(chain, methods, args.budget)
+    if args.out:
+        if not args.method:
+            raise ValueError("--out needs --method: it writes one plan")
+        if rows[0].plan is None:
+            raise ValueError(rows[0].error)
+        args.out.write_text(rows[0].plan.to_json(indent=1))
+    if args.json:
+        print(json.dumps([_row_json(r) for r in rows], indent=1))
+    else:
+        print(format_comparison(chain, rows))
+    return 0
+
+
+def _row_json(row: Comparison) -> dict[str, Any]:
+    return {
+        "method": row.method,
+        "peak_bytes": row.peak_bytes,
+        "total_time": row.total_time,
+        "recompute_time": row.recompute_time,
+        "plan_seconds": row.plan_seconds,
+        "plan": json.loads(row.plan.to_json()) if row.plan else None,
+        "error": row.error,
+    }
