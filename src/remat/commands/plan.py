@@ -92,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
     chain = load_chain(args.source, args.batch)
     methods = [args.method] if args.method else None
     rows = compare(chain, methods, args.budget)
+    if args.method and rows[0].plan is None:
+        raise ValueError(rows[0].error)
     if args.out:
         if not args.method:
             raise ValueError("--out needs --method: it writes one plan")
-        if rows[0].plan is None:
-            raise ValueError(rows[0].error)
+        assert rows[0].plan is not None
         args.out.write_text(rows[0].plan.to_json(indent=1))
     if args.json:
         print(json.dumps([_row_json(r) for r in rows], indent=1))
