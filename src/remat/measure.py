@@ -1,0 +1,142 @@
+"""Exact step memory and interleaved timing, for benchmarks and for checking plans.
+
+Two measurements, both taken inside one process:
+
+* :func:`step_peak_bytes`: the peak bytes of a whole training step, exact, counted from the
+  allocator's own events (``torch.profiler(profile_memory=True)``): the persistent state at the
+  step's start (parameters, gradients, buffers, optimizer state, inputs; unique storages) plus the
+  running sum's maximum over the step's allocation/free events. Unlike MemTracker (a
+  TorchDispatchMode), it also sees allocations inside ``torch.compile``d code, so compiled peers
+  are measured the same way as eager ones (shared/peers.md, "How the figures were taken").
+* :func:`interleaved_times`: several step functions timed in turn, A B C A B C ..., so that a
+  drifting shared machine affects all alike; compare medians as ratios.
+
+Known limitations: on CUDA use ``torch.cuda.max_memory_allocated`` instead (see
+:func:`cuda_step_peak_bytes`); the profiler adds overhead, so never time a step while measuring
+its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "unique_storage_bytes",
+    "step_peak_bytes",
+    "cuda_step_peak_bytes",
+    "interleaved_times",
+    "median_ratio",
+]
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def unique_storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (non-tensors are ignored)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any
+) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    for p in model.parameters():
+        tensors.append(p)
+        if p.grad is not None:
+            tensors.append(p.grad)
+    tensors.extend(model.buffers())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    tensors.extend(_flatten(inputs))
+    return tensors
+
+
+def _flatten(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _flatten(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _flatten(v)]
+    return []
+
+
+def step_peak_bytes(
+    step: Callable[[], Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    inputs: Any = None,
+    warmup: int = 1,
+) -> int:
+    """Exact peak bytes (CPU) of one call of ``step`` after ``warmup`` calls.
+
+    ``step`` runs a whole training step (forward, backward, optimizer step, zero_grad). The
+    persistent state at the step's start is counted from ``model``, ``optimizer`` and
+    ``inputs``; everything the step allocates is counted from the allocator's events.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    persistent = unique_storage_bytes(_state_tensors(model, optimizer, inputs))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    running = peak = 0
+    for event in events:
+        running += event.nbytes()
+        peak = max(peak, running)
+    return persistent + peak
+
+
+def cuda_step_peak_bytes(step: Callable[[], Any], warmup: int = 1) -> int:
+    """Peak bytes of one step on the current CUDA device (``max_memory_allocated``)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def interleaved_times(
+    steps: Mapping[str, Callable[[], Any]], repeats: int = 5, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Time each step ``repeats`` times, interleaved A B C A B C; returns seconds per call."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(times: Mapping[str, list[float]], name: str, baseline: str) -> float:
+    """median(times[name]) / median(times[baseline])."""
+    return statistics.median(times[name]) / statistics.median(times[baseline])
