@@ -1,0 +1,327 @@
+"""Benchmark suites: every method measured the same way, in one process, as ratios.
+
+A step is forward, loss, backward, ``Adam.step()``, ``zero_grad(set_to_none=True)``, after one
+warm-up step so the optimizer state exists (shared/peers.md). For every method:
+
+* ``peak_bytes``: exact, :func:`remat.measure.step_peak_bytes` (allocator events, persistent
+  state included; sees compiled code), or ``torch.cuda.max_memory_allocated`` on a GPU;
+* ``time_ratio``: median step time / median eager step time, the two interleaved A B A B in
+  the same run (at least 5 steps each);
+* ``max_grad_rel_diff``: the largest relative gradient difference against eager at the same
+  weights (equal gradients are part of the result, not assumed).
+
+Suites write ``OUT/SUITE.json`` (a list of rows with ``model``, ``method``, ``peak_bytes``,
+``memory_ratio``, ``time_ratio``, ``machine`` and more), ``OUT/SUITE.md`` (the table, with the
+machine and the run's length) and a PNG per model (the memory–time plane).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from remat.bench.methods import Setup, Workload, compile_setup, peer_methods, remat_setup
+
+__all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "machine_info"]
+
+PEER_MODELS = ("resnet50", "densenet121", "gpt2", "llama-tiny")
+QUICK_MODEL = "mlp-chain"
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    try:
+        import os
+
+        info["cpus"] = os.cpu_count()
+    except Exception:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    return info
+
+
+def load_workload(name: str, batch_size: int | None = None, **options: Any) -> Workload:
+    """A zoo model with its capture (chain, stages) and fixed bytes (Adam)."""
+    from remat import zoo
+    from remat.auto import fixed_bytes
+    from remat.capture import capture
+
+    torch.manual_seed(0)
+    entry = zoo.get(name, batch_size=batch_size, **options)
+    work = Workload(name, entry.model, entry.batch, entry.loss_fn)
+    captured = capture(entry.model, entry.batch, loss_fn=entry.loss_fn)
+    work.chain, work.stages = captured.chain, captured.stages
+    opt = torch.optim.Adam(entry.model.parameters())
+    work.fixed_bytes = fixed_bytes(entry.model, opt)
+    return work
+
+
+def _grads(module: torch.nn.Module, work: Workload, ctx: Callable[[], Any]) -> dict[str, Any]:
+    module.zero_grad(set_to_none=True)
+    with ctx():
+        loss = work.loss_fn(module, work.batch)
+        loss.backward()
+    grads = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            key = name.removeprefix("_orig_mod.").removeprefix("model.")
+            grads[key] = p.grad.detach().clone()
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def measure_setup(
+    setup: Setup, work: Workload, eager_grads: dict[str, Any] | None, repeats: int = 5
+) -> dict[str, Any]:
+    """Measure one method: exact peak, interleaved time ratio vs eager, gradient agreement."""
+    from remat.measure import interleaved_times, step_peak_bytes
+
+    row: dict[str, Any] = {"model": work.name, "method": setup.method, "family": setup.family}
+    row.update({k: v for k, v in setup.notes.items() if v is not None})
+    if setup.module is None:
+        row["error"] = setup.error
+        return row
+    module = setup.module
+    ctx = setup.context or nullcontext
+    try:
+        start = time.perf_counter()
+        grads = _grads(module, work, ctx)  # also compiles
+        row["first_step_seconds"] = time.perf_counter() - start
+        if eager_grads is not None:
+            worst = 0.0
+            for key, ref in eager_grads.items():
+                if key in grads:
+                    denom = float(ref.abs().max()) or 1.0
+                    worst = max(worst, float((grads[key] - ref).abs().max()) / denom)
+            row["max_grad_rel_diff"] = worst
+            row["grads_compared"] = sum(k in grads for k in eager_grads)
+        opt = torch.optim.Adam(module.parameters(), lr=1e-6)
+        eager_opt = torch.optim.Adam(work.model.parameters(), lr=1e-6)
+
+        def step(m: torch.nn.Module = module, o: Any = opt, c: Any = ctx) -> None:
+            with c():
+                loss = work.loss_fn(m, work.batch)
+                loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+        def eager_step() -> None:
+            step(work.model, eager_opt, nullcontext)
+
+        if torch.cuda.is_available():
+            from remat.measure import cuda_step_peak_bytes
+
+            row["peak_bytes"] = cuda_step_peak_bytes(step)
+        else:
+            row["peak_bytes"] = step_peak_bytes(step, module, opt, work.batch)
+        times = interleaved_times({"eager": eager_step, "method": step}, repeats=repeats)
+        row["step_seconds"] = statistics.median(times["method"])
+        row["eager_step_seconds"] = statistics.median(times["eager"])
+        row["time_ratio"] = row["step_seconds"] / row["eager_step_seconds"]
+        if setup.predicted_peak_bytes is not None:
+            row["predicted_peak_bytes"] = setup.predicted_peak_bytes
+    except Exception as err:  # a peer failing here is a result: report it verbatim
+        row["error"] = f"{type(err).__name__}: {err}"[:2000]
+    return row
+
+
+def _finish_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_model: dict[str, int] = {}
+    for row in rows:
+        if row["method"] == "eager" and "peak_bytes" in row:
+            by_model[row["model"]] = row["peak_bytes"]
+    for row in rows:
+        base = by_model.get(row["model"])
+        if base and "peak_bytes" in row:
+            row["memory_ratio"] = row["peak_bytes"] / base
+    return rows
+
+
+def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+    """remat against every peer, on the same model and input, in one run."""
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        progress(f"{name}: capture")
+        work = load_workload(name, **_model_options(name, quick))
+        setups = peer_methods(work, quick=quick)
+        eager_grads = _grads(work.model, work, nullcontext)
+        measured: list[dict[str, Any]] = []
+        for setup in setups:
+            progress(f"{name}: {setup.method}")
+            measured.append(measure_setup(setup, work, eager_grads))
+        budgets = [] if quick else [1.0, 0.5, 0.1]
+        for b in budgets:
+            progress(f"{name}: torch-compile@{b}")
+            torch._dynamo.reset()
+            try:
+                setup = compile_setup(work, b)
+            except Exception as err:  # pragma: no cover - reported
+                setup = Setup(f"torch-compile@{b:g}", None, error=f"{type(err).__name__}: {err}")
+            measured.append(measure_setup(setup, work, eager_grads))
+        torch._dynamo.reset()
+        # remat: its default plans, then optimal-time at every peer's measured peak
+        remat_setups = [remat_setup(work, m) for m in ("chen-sqrt", "every-stage")]
+        remat_setups.append(remat_setup(work, "optimal-time", None, "remat-optimal-time"))
+        for row in measured:
+            if row["method"] != "eager" and "peak_bytes" in row:
+                remat_setups.append(
+                    remat_setup(
+                        work,
+                        "optimal-time",
+                        row["peak_bytes"],
+                        f"remat-optimal-time@{row['method']}",
+                    )
+                )
+        for frac in [] if quick else [0.3, 0.5, 0.7, 0.9]:
+            eager_peak = next((r["peak_bytes"] for r in measured if r["method"] == "eager"), 0)
+            remat_setups.append(
+                remat_setup(
+                    work, "optimal-time", int(eager_peak * frac), f"remat-optimal-time@{frac:.0%}"
+                )
+            )
+        for setup in remat_setups:
+            progress(f"{name}: {setup.method}")
+            measured.append(measure_setup(setup, work, eager_grads))
+        rows.extend(_finish_rows(measured))
+    return rows
+
+
+def suite_budget(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+    """Budget adherence: remat.auto at 30/50/70/90% of the unplanned peak; monotone peaks."""
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        work = load_workload(name, **_model_options(name, quick))
+        eager_grads = _grads(work.model, work, nullcontext)
+        measured = [measure_setup(Setup("eager", work.model, family="baseline"), work, eager_grads)]
+        eager_peak = measured[0]["peak_bytes"]
+        for frac in (0.9, 0.7, 0.5, 0.3):
+            progress(f"{name}: budget {frac:.0%}")
+            setup = remat_setup(
+                work, "optimal-time", int(eager_peak * frac), f"remat-auto@{frac:.0%}"
+            )
+            row = measure_setup(setup, work, eager_grads)
+            row["budget_bytes"] = int(eager_peak * frac)
+            row["within_budget"] = bool(row.get("peak_bytes", 1 << 62) <= row["budget_bytes"])
+            measured.append(row)
+        rows.extend(_finish_rows(measured))
+    return rows
+
+
+def suite_chen2016(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+    """Chen et al.'s 1000-layer ResNet at ImageNet size, with fake tensors; memory vs depth."""
+    from remat import zoo
+    from remat.api import plan as make_plan
+    from remat.capture import capture_chain
+    from remat.simulate import simulate
+
+    rows: list[dict[str, Any]] = []
+    depths = [164, 300] if quick else [100, 200, 300, 500, 700, 1001]
+    batch, image = (4, 64) if quick else (32, 224)
+    methods = [
+        "none",
+        "chen-sqrt",
+        "chen-budget",
+        "chen-recursive",
+        "hong-linear",
+        "reforward",
+        "optimal-time",
+    ]
+    for depth in depths:
+        progress(f"resnet{depth}: fake capture")
+        entry = zoo.get("resnet1001", batch_size=batch, depth=depth, image_size=image)
+        chain = capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn, fake=True)
+        base = simulate(chain, make_plan(chain, "none"))
+        for method in methods:
+            try:
+                p = make_plan(chain, method)
+            except Exception as err:  # report, do not hide
+                rows.append({"model": f"resnet{depth}", "method": method, "error": str(err)})
+                continue
+            sim = simulate(chain, p)
+            rows.append(
+                {
+                    "model": f"resnet{depth}",
+                    "method": method,
+                    "depth": depth,
+                    "stages": chain.n,
+                    "batch": batch,
+                    "image_size": image,
+                    "peak_bytes": sim.peak_bytes,
+                    "memory_ratio": sim.peak_bytes / base.peak_bytes,
+                    "time_ratio": sim.total_time / base.total_time,
+                    "recompute_forwards": sim.recompute_time / chain.total_fwd_time(),
+                    "measured_by": "fake tensors (FakeTensorMode) + simulate; time from FLOPs",
+                }
+            )
+    return rows
+
+
+SUITES: dict[str, Callable[[list[str], bool, Callable[[str], None]], list[dict]]] = {
+    "peers": suite_peers,
+    "budget": suite_budget,
+    "chen2016": suite_chen2016,
+}
+DEFAULT_MODELS = {"peers": list(PEER_MODELS), "budget": ["resnet50", "gpt2"], "chen2016": []}
+
+
+def _model_options(name: str, quick: bool) -> dict[str, Any]:
+    if quick:
+        return {}
+    return {
+        "resnet50": {"batch_size": 16, "image_size": 224},
+        "densenet121": {"batch_size": 8, "image_size": 224},
+        "gpt2": {"batch_size": 4, "seq_len": 512},
+        "llama-tiny": {"batch_size": 4, "seq_len": 512},
+    }.get(name, {})
+
+
+def run_suite(
+    suite: str,
+    out: Path,
+    models: list[str] | None = None,
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``suite`` and write ``out/SUITE.json``, ``out/SUITE.md`` and plots."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; choose one of: {', '.join(SUITES)}")
+    chosen = models or ([QUICK_MODEL] if quick else DEFAULT_MODELS[suite])
+    say = progress or (lambda msg: None)
+    start = time.perf_counter()
+    rows = SUITES[suite](chosen, quick, say)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    label = f"{machine['device']}, {machine.get('cpus')} cpus, torch {machine['torch']}"
+    for row in rows:
+        row["machine"] = label
+    result = {
+        "suite": suite,
+        "quick": quick,
+        "machine": machine,
+        "seconds": time.perf_counter() - start,
+        "rows": rows,
+    }
+    (out / f"{suite}.json").write_text(json.dumps(rows, indent=1, default=str))
+    from remat.bench.report import write_markdown, write_plots
+
+    write_markdown(out / f"{suite}.md", suite, result)
+    write_plots(out, suite, rows)
+    return rows
