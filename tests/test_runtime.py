@@ -487,3 +487,51 @@ def test_early_stop_option_runs_less_than_simulated():
     # are not run by it; and the last stage of each recomputation stops at its last save.
     assert counts[6:11] == [2] * 5 and sum(counts) < sum(simulated)
     assert math.isclose(sum(counts[:6]) / 6, 3, rel_tol=0.2)
+
+
+def test_runs_under_torch_compile_with_batchnorm():
+    """Nested non-reentrant checkpoints are traced by dynamo; BN statistics are still right."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            for _ in range(4)
+        ]
+    )
+    x = torch.randn(2, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    step(reference, (x,), {})
+    planned = apply(model, Plan((nested_segment(1, 4, 2),)))
+    compiled = torch.compile(planned, backend="aot_eager")
+    step(compiled, (x,), {})
+    assert_grads_equal(reference, model, rtol=1e-4, atol=1e-5)
+    for (k, b_ref), (_, b) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.gpu
+def test_cuda_dropout_and_batchnorm():
+    """On a GPU: CUDA RNG state restored in recomputation, BN statistics updated once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3)
+            )
+            for _ in range(6)
+        ]
+    ).cuda()
+    x = torch.randn(2, 4, 16, 16, device="cuda")
+    reference = copy.deepcopy(model)
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False):
+        ref_loss = step(reference, (x,), {}, seed=5)
+        planned = apply(model, Plan((nested_segment(1, 6, 3),)), example=x)
+        counts, handles = count_forwards(planned)
+        loss = step(planned, (x,), {}, seed=5)
+    for h in handles:
+        h.remove()
+    assert counts == list(simulate(Chain.homogeneous(6), planned.plan).forward_counts)
+    torch.testing.assert_close(loss, ref_loss)
+    assert_grads_equal(reference, model, rtol=1e-4, atol=1e-5)
+    for (k, b_ref), (_, b) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, msg=k)

@@ -185,19 +185,18 @@ class _Executor:
                 rebuilt[k] = t
             return self._run_segments(children, tree_unflatten(rebuilt, spec))
 
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if not self.early_stop:
+            options["early_stop"] = False
         norms = self._norms[(seg.start, seg.stop)]
+        if norms and not torch.compiler.is_compiling():
+            # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
 
-        def context_fn() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), _frozen_running_stats(norms)
+            def context_fn() -> tuple[Any, Any]:
+                return contextlib.nullcontext(), _frozen_running_stats(norms)
 
-        return checkpoint(
-            run_children,
-            *tensors,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=context_fn if norms else _torch_checkpoint.noop_context_fn,
-            early_stop=self.early_stop,
-        )
+            options["context_fn"] = context_fn
+        return checkpoint(run_children, *tensors, **options)
 
 
 def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
