@@ -173,14 +173,19 @@ class _Executor:
     def _checkpointed(self, seg: Segment, a: Any) -> Any:
         # Tensors go to checkpoint as positional arguments: torch saves only those through
         # saved-tensor hooks (so an enclosing checkpoint recomputes them, Rule 2); tensors
-        # nested in a tuple argument would be held by reference instead.
+        # nested in a tuple argument would be held by reference instead. For the same reason
+        # the function below must not capture any tensor of ``a``: the checkpoint keeps it
+        # until its backward, and an inner checkpoint's input would never be freed.
         leaves, spec = tree_flatten(a)
+        del a
         positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[k] for k in positions]
+        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        del leaves
         children = seg.children
 
         def run_children(*ts: torch.Tensor) -> Any:
-            rebuilt = list(leaves)
+            rebuilt = list(template)
             for k, t in zip(positions, ts, strict=True):
                 rebuilt[k] = t
             return self._run_segments(children, tree_unflatten(rebuilt, spec))
