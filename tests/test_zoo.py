@@ -57,13 +57,10 @@ def test_resnet1001_is_a_333_block_chain():
         model, per_stage = zoo.preact_resnet(1001)
     assert per_stage == [15, 121, 182, 15]
     assert type(model) is nn.Sequential and len(model) == 1 + 333 + 1
-    convs = sum(
-        isinstance(m, nn.Conv2d)
-        and m.kernel_size != (1, 1)
-        or (isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride == (1, 1))
-        for m in model.modules()
-    )
-    assert convs >= 999
+    blocks = [m for m in model if isinstance(m, zoo.PreActBottleneck)]
+    assert len(blocks) == 333
+    # 3 convolutions per block, the stem's, and one projection shortcut per stage: 1001 + 3
+    assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == 3 * 333 + 1 + 4
     with pytest.raises(ValueError, match="3 \\* blocks \\+ 2"):
         zoo.preact_resnet(1000)
 
