@@ -160,11 +160,14 @@ def plot_profile(report: MemoryReport, path: str | Path, title: str | None = Non
             end = phases[k + 1][1] if k + 1 < len(phases) else len(points)
             if phase in colours:
                 line_ax.axvspan(start, end, color=colours[phase], alpha=0.15, label=phase)
-        line_ax.axhline(
-            (report.peak_bytes - report.activation_peak_bytes) / mib,
-            color="grey",
-            linestyle=":",
-            linewidth=0.8,
+        peak_at = next(i for i, (_, b) in enumerate(points) if b == report.peak_bytes)
+        line_ax.plot([peak_at], [report.peak_bytes / mib], "v", color="black")
+        line_ax.annotate(
+            f"peak {format_bytes(report.peak_bytes)}",
+            (peak_at, report.peak_bytes / mib),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
         )
         line_ax.legend(loc="upper left", fontsize=8)
     line_ax.set_xlabel("operation")

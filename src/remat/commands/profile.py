@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     model, batch, loss_fn = entry.model, entry.batch, entry.loss_fn
     optimizer = _optimizer(args.optimizer, model)
     chain = None
-    stage_error = ""
+    stage_error = "skipped (--no-stages)" if args.no_stages else ""
     with tqdm(total=2, desc=f"profiling {entry.name}", unit="pass", leave=False) as bar:
         try:
             report = profile(model, batch, loss_fn, optimizer, fake=args.fake)
