@@ -13,9 +13,10 @@ one on the real activations (each stage's input is the previous stage's output, 
 * ``fwd_overhead_bytes``: the highest activation-side bytes during the forward (from
   :class:`remat.profile.StepTracker`) minus the input and ``saved_bytes``: transient memory
   beyond what the stage keeps;
-* ``bwd_overhead_bytes``: the highest activation-side bytes during the backward (gradient of
-  the output given) minus what was live when it started and minus the input gradient
-  ``δ[i-1]`` (``out_bytes[i-1]``), which the simulator allocates itself;
+* ``bwd_overhead_bytes``: the highest activation-side bytes during the backward minus what
+  was live before it, minus the output's gradient ``δ[i]`` (ones, made inside the backward
+  and freed when consumed, as in a whole step) and minus the input gradient ``δ[i-1]``
+  (``out_bytes[i-1]``): the simulator counts both gradients itself;
 * ``fwd_time``, ``bwd_time``: median of ``repeats`` runs (``time.perf_counter``, CUDA
   synchronised); with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``
   instead (``time_unit="flop"``);
@@ -88,7 +89,8 @@ class StageCost:
     fwd_overhead_bytes: int
     """Transient bytes of the forward beyond the input and ``saved_bytes``."""
     bwd_peak_bytes: int
-    """Highest activation-side bytes of the backward beyond what was live when it started."""
+    """Highest activation-side bytes of the backward beyond what was live before it and
+    beyond the output's gradient ``δ[i]`` (which the simulator counts as live already)."""
     fwd_time: float
     """Forward seconds (median) or FLOPs."""
     bwd_time: float
@@ -321,14 +323,14 @@ def measure_stage(
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
         saved_bytes = sum(kept.values())
-        roots, grads = _grad_roots(out_tensors)
+        seed, grad_bytes = _seed(out_tensors)
         tracker.reset_window()
         start_bwd = tracker.activation_bytes()
         tracker.set_phase("backward")
-        if roots:
-            torch.autograd.backward(roots, grads)
-        bwd_peak = tracker.window_peak - start_bwd
-        del roots, grads
+        if seed is not None:
+            seed.backward()
+        bwd_peak = tracker.window_peak - start_bwd - grad_bytes
+        del seed
     next_input = tree_map_only(torch.Tensor, _fresh_leaf, out)
     del out, out_tensors
     reset()
@@ -341,13 +343,13 @@ def measure_stage(
         with counter:
             out = run(x)
         fwd_time = float(counter.get_total_flops())
-        roots, grads = _grad_roots(_tensors(out))
+        seed, _ = _seed(_tensors(out))
         counter = FlopCounterMode(display=False)
         with counter:
-            if roots:
-                torch.autograd.backward(roots, grads)
+            if seed is not None:
+                seed.backward()
         bwd_time = float(counter.get_total_flops())
-        del out, roots, grads
+        del out, seed
         reset()
     else:
         device = next((t.device for t in x_tensors), None)
@@ -358,14 +360,14 @@ def measure_stage(
             out = run(x)
             _sync(device)
             fwd_times.append(time.perf_counter() - start)
-            roots, grads = _grad_roots(_tensors(out))
+            seed, _ = _seed(_tensors(out))
             _sync(device)
             start = time.perf_counter()
-            if roots:
-                torch.autograd.backward(roots, grads)
+            if seed is not None:
+                seed.backward()
             _sync(device)
             bwd_times.append(time.perf_counter() - start)
-            del out, roots, grads
+            del out, seed
             reset()
         fwd_time = statistics.median(fwd_times)
         bwd_time = statistics.median(bwd_times)
@@ -389,7 +391,27 @@ def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _grad_roots(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The outputs that require grad, and a gradient of ones for each."""
+def _seed(outputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+    """A scalar whose backward gives every output that requires grad a gradient of ones, and
+    the bytes of those gradients.
+
+    The gradients are made inside the backward and owned by the autograd engine alone, so they
+    are freed as soon as they are consumed, as ``δ[i]`` is in a whole step (a gradient passed
+    to ``torch.autograd.backward`` stays referenced by the caller until it returns).
+    """
     roots = [t for t in outputs if t.requires_grad]
-    return roots, [torch.ones_like(t) for t in roots]
+    if not roots:
+        return None, 0
+    grad_bytes = sum(t.numel() * t.element_size() for t in roots)
+    return _SeedGradients.apply(*roots), grad_bytes
+
+
+class _SeedGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:
+        ctx.specs = [(o.shape, o.dtype, o.device) for o in outputs]
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=dev) for shape, dtype, dev in ctx.specs)
