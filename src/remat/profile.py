@@ -20,8 +20,8 @@ returns a :class:`MemoryReport`:
   (everything else: activation gradients, workspaces, the optimizer's scratch tensors);
 * ``activation_peak_bytes``: the highest bytes of activations + temporaries during the forward
   and backward: what remat's cost model (:class:`~remat.costs.Chain`, :func:`~remat.simulate`)
-  predicts. Parameter gradients are excluded from it (a gradient counts as a temporary from the
-  operation that computes it until the autograd engine hands it to ``.grad``);
+  predicts. Parameter gradients are excluded from it from the operation that computes them on
+  (see the note on :class:`StepTracker`);
 * ``module_peaks``: per module FQN, the highest live bytes while inside its forward and while
   inside its backward;
 * ``timeline``: ``(label, live_bytes)`` after every operation, labels ``phase:module``;
