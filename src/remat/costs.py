@@ -15,8 +15,12 @@ Per stage ``i`` (all lists are indexed from 0 for stage 1):
   also needs, and which is accounted as ``out_bytes[i-1]``). Hence ``saved_bytes >= out_bytes``;
   the papers' one-size-per-layer models are the special case ``saved_bytes == out_bytes``.
 * ``fwd_overhead_bytes[i]``: transient bytes during the stage's forward, beyond what it keeps.
-* ``bwd_overhead_bytes[i]``: transient bytes during the stage's backward, beyond the input
-  gradient ``δ[i-1]`` it produces.
+* ``bwd_overhead_bytes[i]``: the peak during the stage's backward relative to "everything the
+  stage holds (``saved_bytes[i]``), its output gradient ``δ[i]`` and the input gradient
+  ``δ[i-1]`` it produces, all live at once". Positive: workspace beyond that. **Negative** when
+  the backward frees part of that before its peak (autograd frees each op's saved tensors and
+  ``δ[i]`` as soon as they are used): the measured figure, never below
+  ``-(saved_bytes[i] + out_bytes[i])``.
 
 Plus ``input_bytes``: the bytes of ``a[0]``, live during the whole step. The model's input does
 not get a gradient (``δ[0]`` is never allocated).
@@ -60,7 +64,8 @@ class Chain:
     fwd_overhead_bytes: tuple[int, ...] = ()
     """Transient bytes during each stage's forward (default 0)."""
     bwd_overhead_bytes: tuple[int, ...] = ()
-    """Transient bytes during each stage's backward beyond the gradient it produces (default 0)."""
+    """Peak during each stage's backward beyond saved + δ[i] + δ[i-1] (default 0; may be
+    negative, see the module docstring)."""
     names: tuple[str, ...] = ()
     """Optional stage names (module FQNs) for reports; default ``stage1..stageN``."""
     time_unit: str = "s"
@@ -89,9 +94,18 @@ class Chain:
                     "give one value per stage"
                 )
         for name in (*_FLOAT_FIELDS, *_INT_FIELDS):
+            if name == "bwd_overhead_bytes":
+                continue
             for i, v in enumerate(getattr(self, name)):
                 if not v >= 0 or v == float("inf"):
                     raise ValueError(f"Chain.{name}[{i}] = {v}: costs must be finite and >= 0")
+        for i, v in enumerate(self.bwd_overhead_bytes):
+            floor = -(self.saved_bytes[i] + self.out_bytes[i])
+            if v < floor:
+                raise ValueError(
+                    f"Chain.bwd_overhead_bytes[{i}] = {v} is below -(saved_bytes + out_bytes) = "
+                    f"{floor}: a backward cannot free more than the stage holds"
+                )
         for i, (saved, out) in enumerate(zip(self.saved_bytes, self.out_bytes, strict=True)):
             if saved < out:
                 raise ValueError(
@@ -133,18 +147,34 @@ class Chain:
         max_bytes: int = 100,
         overheads: bool = True,
         max_time: float = 10.0,
+        negative_bwd_overheads: bool = False,
     ) -> Chain:
-        """A random heterogeneous chain for tests (integer-valued costs, reproducible by seed)."""
+        """A random heterogeneous chain for tests (integer-valued costs, reproducible by seed).
+
+        ``negative_bwd_overheads=True`` draws backward overheads that may be negative (a
+        backward that frees part of what it holds before its peak, as measured chains have).
+        """
         rng = random.Random(seed)
         out = [rng.randint(1, max_bytes) for _ in range(n)]
+        fwd = [float(rng.randint(1, int(max_time))) for _ in range(n)]
+        bwd_time = [float(rng.randint(1, int(2 * max_time))) for _ in range(n)]
+        saved = [o + rng.randint(0, 2 * max_bytes) for o in out]
+        input_bytes = rng.randint(1, max_bytes)
+        fwd_over = [rng.randint(0, max_bytes // 2) if overheads else 0 for _ in out]
+        if negative_bwd_overheads:
+            bwd_over = [
+                rng.randint(-(s + o), max_bytes // 2) for s, o in zip(saved, out, strict=True)
+            ]
+        else:
+            bwd_over = [rng.randint(0, max_bytes // 2) if overheads else 0 for _ in out]
         return cls(
-            fwd_time=[float(rng.randint(1, int(max_time))) for _ in range(n)],
-            bwd_time=[float(rng.randint(1, int(2 * max_time))) for _ in range(n)],
+            fwd_time=fwd,
+            bwd_time=bwd_time,
             out_bytes=out,
-            saved_bytes=[o + rng.randint(0, 2 * max_bytes) for o in out],
-            input_bytes=rng.randint(1, max_bytes),
-            fwd_overhead_bytes=[rng.randint(0, max_bytes // 2) if overheads else 0 for _ in out],
-            bwd_overhead_bytes=[rng.randint(0, max_bytes // 2) if overheads else 0 for _ in out],
+            saved_bytes=saved,
+            input_bytes=input_bytes,
+            fwd_overhead_bytes=fwd_over,
+            bwd_overhead_bytes=bwd_over,
         )
 
     # ------------------------------------------------------------------ properties

@@ -254,8 +254,10 @@ class Plan:
                 stack.extend(reversed(seg.children))
 
     def kept_activations(self) -> list[int]:
-        """Indices ``k`` of the activations ``a[k]`` kept through the whole forward at top level."""
-        return [s.start - 1 for s in self.segments if s.checkpoint and s.start > 1]
+        """Indices ``k`` of the activations ``a[k]`` at top-level segment boundaries: each is
+        kept through the whole forward (by the checkpointed segment it starts, or by the stored
+        stage that reads it)."""
+        return [s.start - 1 for s in self.segments[1:]]
 
     def depth(self) -> int:
         return max(s.depth() for s in self.segments) if self.segments else 0

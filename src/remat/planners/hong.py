@@ -37,10 +37,14 @@ Note [flat plan peak]. Write ``o[k]`` for ``out_bytes`` of stage ``k`` (``o[0]``
   ``P(l) + Q[i] - Q[l] + o[i] + o[i-1]·[i>1] + b[i]``;
 * a stored last segment (``store_last``) is not recomputed: its forward terms lack ``o[r]``;
 * the first forward pass never sets the peak: a stage run without grad holds at most
-  ``o[i-1] + o[i] ≤ Q[i] - Q[l]`` besides ``P(l)``, and the loss holds ``P(l) + 2·o[n]``, both
-  below the recomputation / backward terms above (``s ≥ o``).
+  ``o[i-1] + o[i] ≤ Q[i] - Q[l]`` besides ``P(l)``, below the recomputation terms (``s ≥ o``);
+* the loss (``δ[n]`` allocated): ``P(l) + 2·o[n]`` after a recomputed last segment (below its
+  recomputation term), ``P(l) + Q[n] - Q[l] + o[n]`` after a stored one. The latter is folded
+  into ``E[n]``: it can exceed stage ``n``'s backward term, whose overhead ``b[n]`` may be
+  negative (measured backwards free saved tensors before their peak).
 
-So with ``F[i] = Q[i] + f[i]`` and ``E[i] = Q[i] + o[i] + o[i-1]·[i>1] + b[i]``::
+So with ``F[i] = Q[i] + f[i]`` and ``E[i] = Q[i] + o[i] + o[i-1]·[i>1] + b[i]`` (and
+``E[n]`` at least ``Q[n] + o[n]``, the loss)::
 
     cost(l, r) = max(max F[l+1..r] + o[r]·[recomputed], max E[l+1..r]) - Q[l]
     peak(S, b) = max over segments (l, r] of P(l) + cost(l, r)
@@ -184,6 +188,9 @@ class FlatCosts:
         grad_in = out[:-1].copy()
         grad_in[0] = 0  # the input gets no gradient
         bwd = prefix[1:] + out[1:] + grad_in + np.array(chain.bwd_overhead_bytes, dtype=np.int64)
+        # the loss event (δ[n] allocated while a stored last stage holds its saved bytes) can
+        # exceed stage n's backward term when the backward overhead is negative
+        bwd[-1] = max(bwd[-1], prefix[-1] + out[-1])
         g = 0
         for v in (
             chain.input_bytes,
