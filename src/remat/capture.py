@@ -51,6 +51,7 @@ LSTMs on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -309,14 +310,15 @@ def measure_stage(
         for t in x_tensors:
             t.grad = None
 
-    # memory: one run under the tracker
+    # memory (and, under fake tensors, FLOPs): one run under the tracker
+    fwd_counter, bwd_counter = _flop_counters(fake)
     tracker = StepTracker(timeline=False)
     tracker.track_external(*([track] if track is not None else []), *x_tensors)
     with tracker:
         tracker.start()
         base = tracker.activation_bytes()
         tracker.set_phase("forward")
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), fwd_counter:
             out = run(x)
         fwd_peak = tracker.window_peak - base
         out_tensors = _tensors(out)
@@ -327,8 +329,9 @@ def measure_stage(
         tracker.reset_window()
         start_bwd = tracker.activation_bytes()
         tracker.set_phase("backward")
-        if seed is not None:
-            seed.backward()
+        with bwd_counter:
+            if seed is not None:
+                seed.backward()
         bwd_peak = tracker.window_peak - start_bwd - grad_bytes
         del seed
     next_input = tree_map_only(torch.Tensor, _fresh_leaf, out)
@@ -337,20 +340,8 @@ def measure_stage(
 
     # time: FLOPs under fake tensors, else the median of `repeats` runs
     if fake:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
-        with counter:
-            out = run(x)
-        fwd_time = float(counter.get_total_flops())
-        seed, _ = _seed(_tensors(out))
-        counter = FlopCounterMode(display=False)
-        with counter:
-            if seed is not None:
-                seed.backward()
-        bwd_time = float(counter.get_total_flops())
-        del out, seed
-        reset()
+        fwd_time = float(fwd_counter.get_total_flops())
+        bwd_time = float(bwd_counter.get_total_flops())
     else:
         device = next((t.device for t in x_tensors), None)
         fwd_times, bwd_times = [], []
@@ -389,6 +380,15 @@ def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
     if t.requires_grad and (t.is_floating_point() or t.is_complex()):
         return t.detach().requires_grad_(True)
     return t
+
+
+def _flop_counters(fake: bool) -> tuple[Any, Any]:
+    """Two FlopCounterModes (forward, backward) under fake tensors, else two no-op contexts."""
+    if not fake:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False), FlopCounterMode(display=False)
 
 
 def _seed(outputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:
