@@ -16,7 +16,8 @@ one on the real activations (each stage's input is the previous stage's output, 
 * ``bwd_overhead_bytes``: the highest activation-side bytes during the backward minus what
   was live before it, minus the output's gradient ``δ[i]`` (ones, made inside the backward
   and freed when consumed, as in a whole step) and minus the input gradient ``δ[i-1]``
-  (``out_bytes[i-1]``): the simulator counts both gradients itself;
+  (``out_bytes[i-1]``): the simulator counts both gradients itself. Negative when autograd
+  frees saved tensors and ``δ[i]`` before the peak (docs/cost-model.md);
 * ``fwd_time``, ``bwd_time``: median of ``repeats`` runs (``time.perf_counter``, CUDA
   synchronised); with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``
   instead (``time_unit="flop"``);
@@ -90,8 +91,9 @@ class StageCost:
     fwd_overhead_bytes: int
     """Transient bytes of the forward beyond the input and ``saved_bytes``."""
     bwd_peak_bytes: int
-    """Highest activation-side bytes of the backward beyond what was live before it and
-    beyond the output's gradient ``δ[i]`` (which the simulator counts as live already)."""
+    """Highest activation-side bytes of the backward minus what was live before it and minus
+    the output's gradient ``δ[i]`` (which the simulator counts as live already); negative when
+    the backward frees more before its peak than it allocates."""
     fwd_time: float
     """Forward seconds (median) or FLOPs."""
     bwd_time: float
@@ -259,7 +261,9 @@ def _measure_chain(
     bwd_overhead = []
     for i, cost in enumerate(costs):
         grad_in = outs[i - 1] if i > 0 else 0
-        bwd_overhead.append(max(0, cost.bwd_peak_bytes - grad_in))
+        # may be negative: the backward frees saved tensors and δ[i] before its peak (Chain)
+        floor = -(cost.saved_bytes + cost.out_bytes)
+        bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in))
     return Chain(
         fwd_time=[c.fwd_time for c in costs],
         bwd_time=[c.bwd_time for c in costs],
@@ -366,7 +370,7 @@ def measure_stage(
         out_bytes=sum(new_out.values()),
         saved_bytes=saved_bytes,
         fwd_overhead_bytes=max(0, fwd_peak - saved_bytes),
-        bwd_peak_bytes=max(0, bwd_peak),
+        bwd_peak_bytes=bwd_peak,
         fwd_time=fwd_time,
         bwd_time=bwd_time,
     )
