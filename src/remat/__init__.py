@@ -40,7 +40,14 @@ _LAZY = {
     "capture_chain": ("remat.capture", "capture_chain"),
     "apply": ("remat.runtime", "apply"),
     "auto": ("remat.auto", "auto"),
+    "capture": ("remat.capture", "capture"),
+    "capture_graph": ("remat.graphs.capture", "capture_graph"),
+    "fit": ("remat.fit", "fit"),
     "zoo": ("remat.zoo", None),
+    "distributed": ("remat.distributed", None),
+    "levers": ("remat.levers", None),
+    "graphs": ("remat.graphs", None),
+    "measure": ("remat.measure", None),
 }
 
 

@@ -215,8 +215,10 @@ def auto(
     with the least memory whose time overhead stays at most one extra forward.
     """
     from remat.capture import capture
+    from remat.distributed import check_not_wrapped
     from remat.runtime import apply
 
+    check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)

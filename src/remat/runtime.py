@@ -356,6 +356,9 @@ def apply(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, PlannedModule):
         raise TypeError("this model already has a plan; apply it to planned.model instead")
+    from remat.distributed import check_not_wrapped
+
+    check_not_wrapped(model, "remat.apply")  # DDP/FSDP go around the planned model, not inside
     if stages is None or not isinstance(stages, Stages):
         stages = split_stages(model, stages)
     signature = None
