@@ -120,6 +120,8 @@ def test_named_stages_and_unsupported_models():
         capture_chain(Net(), x)
     chain = capture_chain(Net(), x, stages=["a", "b"], repeats=1)
     assert chain.names == ("a", "b") and chain.out_bytes == (3 * 8 * 4, 4)
+    fake = capture_chain(Net(), x, stages=["a", "b"], fake=True)
+    assert fake.out_bytes == chain.out_bytes and fake.saved_bytes == chain.saved_bytes
 
 
 def test_loss_fn_with_labels_and_custom_call():
