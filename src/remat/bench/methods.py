@@ -49,6 +49,8 @@ class Workload:
     """The :class:`remat.stages.Stages` the chain was captured on."""
     fixed_bytes: int = 0
     """Parameters + gradients + buffers + Adam state."""
+    grad_bytes: list[int] = field(default_factory=list)
+    """Parameter-gradient bytes per stage (:func:`remat.auto.stage_grad_bytes`)."""
 
 
 @dataclass
@@ -176,7 +178,9 @@ def remat_setup(
         if total_budget is None:
             p = make_plan(work.chain, method)
         else:
-            p = plan_for_total_budget(work.chain, work.fixed_bytes, total_budget, method)
+            p = plan_for_total_budget(
+                work.chain, work.fixed_bytes, total_budget, method, work.grad_bytes or None
+            )
     except BudgetTooSmallError as err:
         return Setup(name, None, family="remat", error=str(err))
     module = apply(work.model, p, stages=work.stages)

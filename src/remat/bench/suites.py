@@ -61,7 +61,7 @@ def machine_info() -> dict[str, Any]:
 def load_workload(name: str, batch_size: int | None = None, **options: Any) -> Workload:
     """A zoo model with its capture (chain, stages) and fixed bytes (Adam)."""
     from remat import zoo
-    from remat.auto import fixed_bytes
+    from remat.auto import fixed_bytes, stage_grad_bytes
     from remat.capture import capture
 
     torch.manual_seed(0)
@@ -71,6 +71,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
     work.chain, work.stages = captured.chain, captured.stages
     opt = torch.optim.Adam(entry.model.parameters())
     work.fixed_bytes = fixed_bytes(entry.model, opt)
+    work.grad_bytes = stage_grad_bytes(captured.stages)
     return work
 
 
@@ -113,8 +114,10 @@ def measure_setup(
                     worst = max(worst, float((grads[key] - ref).abs().max()) / denom)
             row["max_grad_rel_diff"] = worst
             row["grads_compared"] = sum(k in grads for k in eager_grads)
-        opt = torch.optim.Adam(module.parameters(), lr=1e-6)
-        eager_opt = torch.optim.Adam(work.model.parameters(), lr=1e-6)
+        # lr=0: Adam allocates and updates its state as usual but the weights stay the same,
+        # so every method's gradients are compared at the same point
+        opt = torch.optim.Adam(module.parameters(), lr=0.0)
+        eager_opt = torch.optim.Adam(work.model.parameters(), lr=0.0)
 
         def step(m: torch.nn.Module = module, o: Any = opt, c: Any = ctx) -> None:
             with c():
