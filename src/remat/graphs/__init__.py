@@ -1,0 +1,64 @@
+"""Arbitrary computation graphs: the pure (no torch) cost model, plans, simulator and planners.
+
+* :class:`Graph` / :class:`Node` (``graph.py``): a DAG of costed nodes in topological order,
+  the same per-node convention as :class:`remat.Chain`; JSON with a schema version.
+* :class:`GraphPlan` / :class:`GraphSegment` (``plan.py``): stored nodes, recomputation
+  segments (nestable), and the kept tensors they imply.
+* :func:`simulate_graph` (``simulate.py``): the single source of truth for a plan's peak and
+  time; :func:`lower_plan` gives the explicit schedule an executor must reproduce and
+  :func:`run_schedule` checks any schedule (:class:`InfeasibleScheduleError`).
+* :func:`plan_graph` (``planners.py``) with the planners ``none``, ``reforward`` (Feng & Huang),
+  ``checkmate-milp`` / ``checkmate-lp`` (Checkmate) and ``articulation`` (any chain planner
+  over the blocks between cut points).
+
+``docs/graphs.md`` has the semantics, the algorithms, their guarantees and limitations.
+
+Example:
+    >>> from remat.graphs import plan_graph, simulate_graph
+    >>> from remat.graphs.synthetic import residual_chain
+    >>> g = residual_chain(3)
+    >>> p = plan_graph(g, "reforward")
+    >>> simulate_graph(g, p).peak_bytes == p.predicted_peak_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from remat.graphs.graph import GRAPH_SCHEMA_VERSION, Graph, Node
+from remat.graphs.plan import GRAPH_PLAN_SCHEMA_VERSION, GraphPlan, GraphPlanError, GraphSegment
+from remat.graphs.planners import (
+    available_graph_planners,
+    get_graph_planner,
+    plan_graph,
+    register_graph_planner,
+)
+from remat.graphs.simulate import (
+    GraphEvent,
+    GraphSimulation,
+    InfeasibleScheduleError,
+    ScheduleOp,
+    lower_plan,
+    run_schedule,
+    simulate_graph,
+)
+
+__all__ = [
+    "Graph",
+    "Node",
+    "GraphPlan",
+    "GraphSegment",
+    "GraphPlanError",
+    "GraphSimulation",
+    "GraphEvent",
+    "ScheduleOp",
+    "InfeasibleScheduleError",
+    "simulate_graph",
+    "lower_plan",
+    "run_schedule",
+    "plan_graph",
+    "register_graph_planner",
+    "get_graph_planner",
+    "available_graph_planners",
+    "GRAPH_SCHEMA_VERSION",
+    "GRAPH_PLAN_SCHEMA_VERSION",
+]

@@ -1,0 +1,734 @@
+"""Minimal time under a memory budget, exactly: Checkmate (Jain et al., MLSys 2020,
+"Checkmate: Breaking the Memory Wall with Optimal Tensor Rematerialization"), registered as
+``checkmate-milp`` (exact MILP) and ``checkmate-lp`` (its LP relaxation + rounding).
+
+**Checkmate's formulation.** The training graph is run in *stages*; stage ``t`` computes its
+frontier node ``t`` (frontier-advancing schedule), and may first recompute other nodes.
+``R[t,i] = 1`` when node ``i`` is (re)computed in stage ``t``; ``S[t,i] = 1`` when its value is
+kept from stage ``t-1`` into stage ``t``; ``U[t,k]`` is the memory after the ``k``-th operation of
+stage ``t``; ``FREE[t,i,k]`` frees value ``i`` after operation ``k``. They minimise the compute
+time ``sum C_i R[t,i]`` subject to (1b) dependencies being computed or kept, (1c) only computed
+or kept values being kept, the frontier being computed, and ``U <= budget``.
+
+**Specialised here to what an executor can run** (non-reentrant checkpoint regions, and what
+:func:`~remat.graphs.simulate_graph` costs): stages ``0..n-1`` are the forward nodes (no
+recomputation in the forward), stage ``n`` is the loss, stage ``T(v) = 2n - v`` is the backward
+of node ``v``. Recomputation happens only in backward stages; ``R[v,i]`` (for ``i <= v``)
+recomputes node ``i`` in stage ``T(v)``, and the nodes recomputed in one stage form a run of
+consecutive nodes ending at ``v``: a segment of the plan, recomputed just before the backward of
+its last node. Each node is recomputed at most once. Because every recomputed node is run with
+grad and keeps its saved tensors until its own backward, nothing is freed inside a stage
+before its frontier backward: Checkmate's within-stage ``FREE[t,i,k]`` reduces to
+``FREE[t,u] = S[t,u] - S[t+1,u] >= 0`` (value freed after stage ``t``), and ``U`` follows
+Checkmate's recurrence ``U[t,k] = U[t,k-1] + M_k R[t,k]`` inside a stage. ``S[t,u]`` is the
+kept **forward copy** of ``u``'s output; the saved tensors of stored nodes and of recomputed
+ones are linear expressions of ``R``, and gradients are fixed by the backward order.
+
+The MILP is exact for flat plans whose segments are runs of consecutive nodes (every chain
+plan of depth <= 1 is one): its optimum equals brute force over that space under
+:func:`~remat.graphs.simulate_graph`, and the plan it returns simulates to exactly the
+objective's time and to a peak no larger than its ``U`` (``tests/test_graph_planners.py``).
+``S`` is continuous (the minimal kept set is integral whenever ``R`` is), so only ``R`` is
+binary: about ``n^2/2`` binaries.
+
+**LP relaxation + rounding** (``checkmate-lp``, Checkmate §5): solve the relaxation at 0.9 x
+the budget, round the recomputation decisions at thresholds 0.1..0.9 (and a few random ones),
+rebuild the segments, cost every candidate with the simulator and keep the fastest that fits.
+The LP value is a lower bound on the time: ``plan.params["lp_gap"]`` is the rounding's gap.
+
+Known limitations:
+    * Plans are flat (no nested recomputation) and segments are runs of the node order; the
+      chain planner ``optimal-time`` (nested) can be faster on chains.
+    * Size grows as ``n^2``: about 200 nodes solve in seconds to a minute with HiGHS; beyond
+      that use ``time_limit_s`` (the best plan found and HiGHS's proven gap are reported),
+      ``checkmate-lp``, or ``articulation``.
+    * Memory is scaled to at most 1e4 units per coefficient and solved in floating point; a
+      plan the solver accepts within its tolerance but whose simulated peak exceeds the budget
+      is re-solved with the budget tightened by the excess (so a plan exactly at the budget
+      edge can be missed by a few bytes).
+
+Example:
+    >>> from remat.graphs.synthetic import residual_chain
+    >>> from remat.graphs.planners import plan_graph
+    >>> g = residual_chain(2)
+    >>> p = plan_graph(g, "checkmate-milp", budget=110)
+    >>> p.predicted_peak_bytes <= 110, p.params["status"]
+    (True, 'optimal')
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from remat.graphs.graph import Graph
+from remat.graphs.plan import GraphPlan, GraphSegment
+from remat.graphs.planners import register_graph_planner
+from remat.graphs.simulate import simulate_graph
+from remat.planners import BudgetTooSmallError
+
+__all__ = [
+    "plan_checkmate",
+    "plan_checkmate_lp",
+    "MilpConfig",
+    "RunModel",
+    "StageModel",
+    "PlannerTimeoutError",
+]
+
+
+class PlannerTimeoutError(RuntimeError):
+    """The solver found no feasible plan within its time limit (feasibility unknown)."""
+
+
+@dataclass(frozen=True)
+class MilpConfig:
+    """Settings of ``checkmate-milp`` / ``checkmate-lp``."""
+
+    time_limit_s: float = 60.0
+    """Wall-clock limit of each HiGHS solve; the best plan found is returned with its gap."""
+    mip_rel_gap: float = 0.0
+    """Stop when HiGHS proves the plan within this relative gap (0: optimal)."""
+    relaxation: bool = False
+    """Solve the LP relaxation and round (Checkmate's approximation) instead of the MILP."""
+    lp_budget_fraction: float = 0.9
+    """Rounding mode: the LP is solved at this fraction of the budget (Checkmate uses 0.9)."""
+    random_roundings: int = 8
+    """Rounding mode: extra random thresholds tried (Checkmate's randomized rounding)."""
+    seed: int = 0
+    """Seed of the random roundings."""
+    encoding: str = "runs"
+    """``"runs"`` (2n binaries, default) or ``"stages"`` (Checkmate's n^2/2 stage matrix);
+    both encode the same problem and give the same optimum."""
+
+    def __post_init__(self) -> None:
+        if not self.time_limit_s > 0:
+            raise ValueError("time_limit_s must be > 0")
+        if not 0 <= self.mip_rel_gap < 1:
+            raise ValueError("mip_rel_gap must be in [0, 1)")
+        if not 0 < self.lp_budget_fraction <= 1:
+            raise ValueError("lp_budget_fraction must be in (0, 1]")
+        if self.encoding not in ("runs", "stages"):
+            raise ValueError(f"encoding must be 'runs' or 'stages', got {self.encoding!r}")
+
+
+@register_graph_planner("checkmate-milp")
+def plan_checkmate(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
+    """Checkmate's exact MILP: minimal simulated time with a peak within ``budget``."""
+    config = MilpConfig(**options)
+    if budget is None:
+        return GraphPlan.none()
+    if config.relaxation:
+        return _round_lp(graph, budget, config)
+    return _solve_exact(graph, budget, config)
+
+
+@register_graph_planner("checkmate-lp")
+def plan_checkmate_lp(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
+    """Checkmate's LP relaxation + rounding (fast, approximate; see the module docstring)."""
+    options.setdefault("relaxation", True)
+    return plan_checkmate(graph, budget, **options)
+
+
+class _Model:
+    """Shared parts of the two encodings: scaled costs, rows, the HiGHS call.
+
+    Memory is counted in units of ``scale`` bytes so that coefficients stay below ~1e4 (HiGHS
+    struggles with rows mixing 1 and 1e9); the simulator re-checks every plan in bytes. The
+    last column is the budget: fixed when minimising time, minimised when asked for the
+    least feasible peak.
+    """
+
+    n_binary: int
+    col_budget: int
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.n = n = graph.n
+        nodes = graph.nodes
+        values = [graph.input_bytes]
+        for node in nodes:
+            values += [
+                node.out_bytes,
+                node.residual_bytes,
+                node.fwd_overhead_bytes,
+                node.bwd_overhead_bytes,
+            ]
+        self.scale = max(1.0, max(values) / 1e4)
+        q = self.scale
+        self.out = [node.out_bytes / q for node in nodes]
+        self.res = [node.residual_bytes / q for node in nodes]
+        self.saved = [o + r for o, r in zip(self.out, self.res, strict=True)]
+        self.foh = [node.fwd_overhead_bytes / q for node in nodes]
+        self.boh = [node.bwd_overhead_bytes / q for node in nodes]
+        self.inp = graph.input_bytes / q
+        self.sinks = set(graph.sinks)
+        self.maxcons = [max(graph.consumers(u), default=-1) for u in range(n)]
+        # gradients are fixed by the backward order: live when stage T(v) starts / new in b_v
+        self.grad_start = [
+            sum(self.out[u] for u in range(v + 1) if u in self.sinks or self.maxcons[u] > v)
+            for v in range(n)
+        ]
+        self.grad_new = [
+            sum(self.out[u] for u in nodes[v].inputs if self.maxcons[u] == v) for v in range(n)
+        ]
+        self.loss_grads = sum(self.out[o] for o in self.sinks)
+        self.ncols = 0
+        self.lb: dict[int, float] = {}
+        self.ub: dict[int, float] = {}
+        self.objective: dict[int, float] = {}
+        self._rows: list[tuple[dict[int, float], float, float, str]] = []
+
+    def _new(self, lb: float = 0.0, ub: float = 1.0) -> int:
+        col = self.ncols
+        self.ncols += 1
+        if lb:
+            self.lb[col] = lb
+        if ub != 1.0:
+            self.ub[col] = ub
+        return col
+
+    def _row(self, coef: dict[int, float], lo: float, hi: float, group: str) -> None:
+        self._rows.append((coef, lo, hi, group))
+
+    def constraint_groups(self) -> dict[str, int]:
+        """How many rows each constraint group has (for reports)."""
+        groups: dict[str, int] = {}
+        for *_, group in self._rows:
+            groups[group] = groups.get(group, 0) + 1
+        return groups
+
+    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+        """The plan's segments from an integral solution vector."""
+        raise NotImplementedError
+
+    def fractions(self, x: Any) -> tuple[list[float], list[float]]:
+        """Per node: how much it is recomputed, and how much it ends a segment (LP values)."""
+        raise NotImplementedError
+
+    def solve(
+        self, budget: int | None, *, integral: bool, time_limit_s: float, mip_rel_gap: float = 0.0
+    ) -> dict[str, Any]:
+        """Solve at ``budget`` (bytes; ``None``: minimise the peak instead of the time)."""
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp  # type: ignore[import-untyped]
+        from scipy.sparse import coo_array  # type: ignore[import-untyped]
+
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        for r, (coef, l_, h_, _) in enumerate(self._rows):
+            for col, val in coef.items():
+                if val:
+                    rows.append(r)
+                    cols.append(col)
+                    vals.append(val)
+            lo.append(l_)
+            hi.append(h_)
+        A = coo_array((vals, (rows, cols)), shape=(len(self._rows), self.ncols)).tocsr()
+        c = np.zeros(self.ncols)
+        for col, value in self.objective.items():
+            c[col] = value
+        # time in units of the largest recomputation cost, so HiGHS's absolute gap
+        # tolerance (1e-6) is negligible
+        time_scale = float(c.max()) if c.size and c.max() > 0 else 1.0
+        c = c / time_scale
+        lb = np.zeros(self.ncols)
+        ub = np.ones(self.ncols)
+        for col, value in self.lb.items():
+            lb[col] = value
+        for col, value in self.ub.items():
+            ub[col] = value
+        integrality = np.zeros(self.ncols)
+        if integral:
+            integrality[: self.n_binary] = 1
+        if budget is None:
+            c = c / max(1.0, float(c.sum())) * 1e-6  # tie-break on time, minimise the peak
+            c[self.col_budget] = 1.0
+            lb[self.col_budget], ub[self.col_budget] = 0.0, np.inf
+        else:
+            lb[self.col_budget] = ub[self.col_budget] = budget / self.scale
+        options: dict[str, Any] = {"time_limit": time_limit_s, "disp": False, "presolve": True}
+        if integral:
+            options["mip_rel_gap"] = mip_rel_gap
+        start = time.perf_counter()
+        res = milp(
+            c,
+            integrality=integrality,
+            bounds=Bounds(lb, ub),
+            constraints=[LinearConstraint(A, np.array(lo), np.array(hi))],
+            options=options,
+        )
+        status = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded"}.get(
+            res.status, "error"
+        )
+        out: dict[str, Any] = {
+            "status": status,
+            "message": res.message,
+            "seconds": time.perf_counter() - start,
+            "x": None if res.x is None else np.asarray(res.x),
+            "rows": len(self._rows),
+            "columns": self.ncols,
+            "binaries": self.n_binary if integral else 0,
+        }
+        if res.x is not None:
+            base = self.graph.total_fwd_time() + self.graph.total_bwd_time()
+            out["objective"] = base + float(
+                sum(v * res.x[col] for col, v in self.objective.items())
+            )
+        if integral:
+            for name in ("mip_gap", "mip_dual_bound", "mip_node_count"):
+                reported = getattr(res, name, None)
+                if reported is not None:
+                    out[name] = float(reported)
+            if "mip_dual_bound" in out and budget is not None:
+                out["mip_dual_bound"] = out["mip_dual_bound"] * time_scale + (
+                    self.graph.total_fwd_time() + self.graph.total_bwd_time()
+                )
+        return out
+
+    def milp_peak_bytes(self, x: Any) -> int:
+        """The largest ``U`` of a solution, in bytes (what the MILP thinks the peak is)."""
+        peak = 0.0
+        for coef, _, hi, group in self._rows:
+            if group.startswith("U <= budget"):
+                used = sum(v * x[c] for c, v in coef.items() if c != self.col_budget) - hi
+                peak = max(peak, used)
+        return int(round(peak * self.scale))
+
+
+class StageModel(_Model):
+    """Checkmate's stage matrix (``encoding="stages"``): the reference encoding.
+
+    Columns: ``R[v,i]`` (binary), ``CR[c,i] = sum_{v >= c} R[v,i]`` (recomputed in stage
+    ``T(c)`` or earlier), ``S[t,u]`` (forward copy of ``u`` kept into stage ``t``), ``U[v,k]``
+    (memory after the ``k``-th recomputation of stage ``T(v)``), and optionally a budget column
+    (when minimising the peak).
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        n, sinks, maxcons = self.n, self.sinks, self.maxcons
+        self.L = n
+        # --- columns
+        self.ncols = 0
+        self.col_R: dict[tuple[int, int], int] = {}
+        for v in range(n):
+            for i in range(v + 1):
+                self.col_R[(v, i)] = self._new()
+        self.n_binary = self.ncols
+        self.col_CR: dict[tuple[int, int], int] = {}
+        for c in range(n):
+            for i in range(c + 1):
+                self.col_CR[(c, i)] = self._new()
+        self.col_S: dict[tuple[int, int], int] = {}
+        for u in range(n):
+            need_fwd = self.L if u in sinks else maxcons[u]
+            for t in range(u + 1, self.T(u) + 1):
+                # (1b) a forward consumer or the loss reads it: kept until then
+                self.col_S[(t, u)] = self._new(lb=1.0 if t <= need_fwd else 0.0)
+        self.col_U: dict[tuple[int, int], int] = {}
+        for v in range(n):
+            for k in range(v + 1):
+                self.col_U[(v, k)] = self._new(ub=math.inf)
+        self.col_budget = self._new()
+        fwd = [node.fwd_time for node in graph.nodes]
+        for (_, i), col in self.col_R.items():
+            self.objective[col] = fwd[i]
+        self._build(maxcons)
+
+    def T(self, v: int) -> int:
+        """The stage of the backward of node ``v``."""
+        return 2 * self.n - v
+
+    def _build(self, maxcons: list[int]) -> None:
+        n, nodes = self.n, self.graph.nodes
+        R, CR, S, U, B = self.col_R, self.col_CR, self.col_S, self.col_U, self.col_budget
+        # [Segment shape] R[v,i] <= R[v,i+1]: a stage recomputes a run ending at its frontier v
+        for v in range(n):
+            for i in range(v):
+                self._row({R[(v, i)]: 1, R[(v, i + 1)]: -1}, -math.inf, 0, "segment-run")
+        # [Cumulative recomputation] CR[c,i] = R[c,i] + CR[c+1,i]; CR <= 1: at most once
+        for c in range(n):
+            for i in range(c + 1):
+                coef = {CR[(c, i)]: 1.0, R[(c, i)]: -1.0}
+                if c + 1 < n:
+                    coef[CR[(c + 1, i)]] = -1.0
+                self._row(coef, 0, 0, "recompute-once")
+        # [(1c) + FREE] S[t+1,u] <= S[t,u]: a freed forward copy never comes back
+        for u in range(n):
+            for t in range(u + 1, self.T(u)):
+                self._row({S[(t + 1, u)]: 1, S[(t, u)]: -1}, -math.inf, 0, "(1c) FREE")
+        # [(1b) stored node] b_u reads f_u's saved tensors: kept until T(u) unless recomputed
+        for u in range(n):
+            self._row({S[(self.T(u), u)]: 1, CR[(u, u)]: 1}, 1, math.inf, "(1b) stored output")
+        # [(1b) stored consumer] b_w reads the inputs it saved: kept until T(w) if w is stored
+        for w, node in enumerate(nodes):
+            for u in node.backward_inputs:
+                self._row({S[(self.T(w), u)]: 1, CR[(w, w)]: 1}, 1, math.inf, "(1b) saved input")
+        # [(1b) segment frame] a segment [a, v] reads external input u: kept until T(a)
+        # (sum over v >= c of y[v,a] = CR[c,a] - CR[c,a-1], y = "a starts the segment at v")
+        for u in range(n):
+            cons = self.graph.consumers(u)
+            for a in range(u + 1, (max(cons) if cons else u) + 1):
+                first = min((w for w in cons if w >= a), default=None)
+                if first is None:
+                    continue
+                self._row(
+                    {S[(self.T(a), u)]: 1, CR[(first, a)]: -1, CR[(first, a - 1)]: 1},
+                    0,
+                    math.inf,
+                    "(1b) segment input",
+                )
+        # [U, forward stages] memory while node t runs its first forward
+        for t in range(n):
+            coef = {B: -1.0}
+            const = self.inp + self.out[t] + self.res[t] + self.foh[t]
+            coef[CR[(t, t)]] = -self.res[t]
+            for u in range(t):
+                coef[S[(t, u)]] = self.out[u]
+                const += self.res[u]
+                coef[CR[(u, u)]] = coef.get(CR[(u, u)], 0) - self.res[u]
+            self._row(coef, -math.inf, -const, "U <= budget (forward)")
+        # [U, loss stage]
+        coef = {B: -1}
+        const = self.inp + self.loss_grads
+        for u in range(n):
+            coef[S[(self.L, u)]] = self.out[u]
+            const += self.res[u]
+            coef[CR[(u, u)]] = coef.get(CR[(u, u)], 0) - self.res[u]
+        self._row(coef, -math.inf, -const, "U <= budget (loss)")
+        # [U, backward stages] U[v,-1] = memory when stage T(v) starts; Checkmate's recurrence
+        # U[v,k] = U[v,k-1] + M_k R[v,k] (nothing is freed before the frontier backward)
+        for v in range(n):
+            t = self.T(v)
+            coef = {U[(v, 0)]: 1.0, R[(v, 0)]: -self.saved[0]}
+            const = self.inp + self.grad_start[v]
+            for u in range(v + 1):
+                coef[S[(t, u)]] = coef.get(S[(t, u)], 0) - self.out[u]
+                const += self.res[u]
+                coef[CR[(u, u)]] = coef.get(CR[(u, u)], 0) + self.res[u]
+                if v + 1 < n:
+                    coef[CR[(v + 1, u)]] = coef.get(CR[(v + 1, u)], 0) - self.saved[u]
+            self._row(coef, const, const, "U recurrence")
+            for k in range(1, v + 1):
+                self._row(
+                    {U[(v, k)]: 1, U[(v, k - 1)]: -1, R[(v, k)]: -self.saved[k]},
+                    0,
+                    0,
+                    "U recurrence",
+                )
+            for k in range(v):
+                if self.foh[k]:
+                    self._row(
+                        {U[(v, k)]: 1, R[(v, k)]: self.foh[k], B: -1}, -math.inf, 0, "U <= budget"
+                    )
+            self._row({U[(v, v)]: 1, R[(v, v)]: self.foh[v], B: -1}, -math.inf, 0, "U <= budget")
+            self._row(
+                {U[(v, v)]: 1, B: -1},
+                -math.inf,
+                -(self.grad_new[v] + self.boh[v]),
+                "U <= budget",
+            )
+
+    def fractions(self, x: Any) -> tuple[list[float], list[float]]:
+        n = self.n
+        mass = [float(x[self.col_CR[(i, i)]]) for i in range(n)]
+        return mass, [float(x[self.col_R[(i, i)]]) for i in range(n)]
+
+    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+        """The plan's segments from a solution vector (``R > 0.5``)."""
+        segs = []
+        for v in range(self.n):
+            nodes = tuple(i for i in range(v + 1) if x[self.col_R[(v, i)]] > 0.5)
+            if nodes:
+                segs.append(GraphSegment(nodes))
+        return tuple(segs)
+
+
+class RunModel(_Model):
+    """The compact encoding (``encoding="runs"``, the default) of the same MILP.
+
+    A stage's recomputation is a run of nodes ending at its frontier, so the stage matrix is
+    fixed by two binaries per node: ``r[i] = sum_t R[t,i]`` (node ``i`` is recomputed) and
+    ``e[v] = R[T(v),v]`` (node ``v`` ends a segment; then ``R[T(v),i] = 1`` for the run
+    ``i..v`` of recomputed nodes with no end before ``v``). ``q[i] = r[i] - e[i]`` says the
+    segment goes on after ``i``. The memory of recomputed copies is the run sum ``RS[k]`` of
+    ``saved`` from the segment's first node to ``k`` (a linear recurrence with a big-M), and
+    ``S[u,v]`` (the forward copy of ``u`` kept into stage ``T(v)``) exists only for
+    ``v <= max(u, last reader of u)``: later it cannot change. 2n binaries and O(n + sum of
+    edge spans) rows, against n^2/2 binaries for :class:`StageModel`; same optimum (tested).
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        n, nodes, maxcons = self.n, graph.nodes, self.maxcons
+        self.col_r = [self._new() for _ in range(n)]
+        self.col_e = [self._new() for _ in range(n)]
+        self.n_binary = self.ncols
+        for i, node in enumerate(nodes):
+            self.objective[self.col_r[i]] = node.fwd_time
+        self.col_RS = [self._new(ub=math.inf) for _ in range(n)]
+        overheads = any(self.foh)
+        self.col_MX = [self._new(ub=math.inf) for _ in range(n)] if overheads else []
+        self.hold = [max(u, maxcons[u]) for u in range(n)]  # last stage index that can hold u
+        self.col_S: dict[tuple[int, int], int] = {}
+        for u in range(n):
+            for v in range(u, self.hold[u] + 1):
+                self.col_S[(u, v)] = self._new()
+        self.col_budget = self._new()
+        self._build(overheads)
+
+    def _S(self, u: int, v: int) -> int:
+        """Column of the forward copy of ``u`` kept into stage ``T(v)`` (``v >= u``)."""
+        return self.col_S[(u, min(v, self.hold[u]))]
+
+    def _build(self, overheads: bool) -> None:
+        n, nodes, graph = self.n, self.graph.nodes, self.graph
+        r, e, RS, MX, B = self.col_r, self.col_e, self.col_RS, self.col_MX, self.col_budget
+        big = sum(self.saved) + max(self.foh)  # bounds every run sum and running max
+        # [R shape] e[v] <= r[v]; a segment going on after i needs i+1: q[i] <= r[i+1];
+        # the last node ends its segment
+        for i in range(n):
+            self._row({e[i]: 1, r[i]: -1}, -math.inf, 0, "R runs")
+            nxt = {r[i + 1]: -1.0} if i + 1 < n else {}
+            self._row({r[i]: 1, e[i]: -1, **nxt}, -math.inf, 0, "R runs")
+        # [U recurrence] RS[k] = saved_k r[k] + q[k-1] RS[k-1] (recomputed copies of the run)
+        for k in range(n):
+            self._row({RS[k]: 1, r[k]: -self.saved[k]}, 0, math.inf, "U recurrence")
+            if k:
+                self._row(
+                    {RS[k]: 1, RS[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big},
+                    self.saved[k] - big,
+                    math.inf,
+                    "U recurrence",
+                )
+            if overheads:  # MX[k] = max over the run so far of RS + forward overhead
+                self._row({MX[k]: 1, RS[k]: -1, r[k]: -self.foh[k]}, 0, math.inf, "U recurrence")
+                if k:
+                    self._row(
+                        {MX[k]: 1, MX[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big},
+                        -big,
+                        math.inf,
+                        "U recurrence",
+                    )
+        # [(1c) + FREE] S[u,v-1] <= S[u,v]: kept into a later stage => kept into earlier ones
+        for u in range(n):
+            for v in range(u + 1, self.hold[u] + 1):
+                self._row(
+                    {self.col_S[(u, v)]: 1, self.col_S[(u, v - 1)]: -1}, 0, math.inf, "(1c) FREE"
+                )
+        # [(1b) stored output] b_u reads f_u's saved tensors unless u is recomputed
+        for u in range(n):
+            self._row({self._S(u, u): 1, r[u]: 1}, 1, math.inf, "(1b) stored output")
+        # [(1b) saved input] a stored consumer w keeps the inputs its backward reads
+        for w, node in enumerate(nodes):
+            for u in node.backward_inputs:
+                self._row({self._S(u, w): 1, r[w]: 1}, 1, math.inf, "(1b) saved input")
+        # [(1b) segment input] a segment starting at a (b[a] = r[a] - q[a-1]) that reaches the
+        # first reader c >= a of u keeps u's forward copy until T(a)
+        for u in range(n):
+            cons = graph.consumers(u)
+            for a in range(u + 1, self.maxcons[u] + 1):
+                c = min(w for w in cons if w >= a)
+                coef = {self._S(u, a): 1.0, r[a]: -1.0, r[a - 1]: 1.0, e[a - 1]: -1.0}
+                for k in range(a, c):
+                    coef[r[k]] = coef.get(r[k], 0.0) - 1.0
+                    coef[e[k]] = coef.get(e[k], 0.0) + 1.0
+                self._row(coef, -(c - a), math.inf, "(1b) segment input")
+        # [U <= budget] forward stages: kept copies, stored residuals, the node itself
+        for t in range(n):
+            coef = {B: -1.0, r[t]: -self.res[t]}
+            const = self.inp + self.saved[t] + self.foh[t]
+            for u in range(t):
+                const += self.res[u]
+                coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
+                if u in self.sinks or t <= self.maxcons[u]:
+                    const += self.out[u]
+                else:
+                    coef[self._S(u, self.hold[u])] = self.out[u]
+            self._row(coef, -math.inf, -const, "U <= budget (forward)")
+        coef = {B: -1}
+        const = self.inp + self.loss_grads
+        for u in range(n):
+            const += self.res[u]
+            coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
+            if u in self.sinks:
+                const += self.out[u]
+            else:
+                coef[self._S(u, self.hold[u])] = self.out[u]
+        self._row(coef, -math.inf, -const, "U <= budget (loss)")
+        # [U <= budget] backward stage T(v): start memory + recomputed run (+ b_v's new grads)
+        for v in range(n):
+            coef = {B: -1, RS[v]: 1}
+            const = self.inp + self.grad_start[v]
+            for u in range(v + 1):
+                const += self.res[u]
+                coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
+                coef[self._S(u, v)] = coef.get(self._S(u, v), 0.0) + self.out[u]
+            start = dict(coef)
+            self._row(coef, -math.inf, -(const + self.grad_new[v] + self.boh[v]), "U <= budget")
+            if overheads:  # the recomputation phase, when v ends a segment
+                start.pop(RS[v])
+                start[MX[v]] = 1
+                start[e[v]] = start.get(e[v], 0.0) + big
+                self._row(start, -math.inf, -const + big, "U <= budget (recompute)")
+
+    def fractions(self, x: Any) -> tuple[list[float], list[float]]:
+        return [float(x[c]) for c in self.col_r], [float(x[c]) for c in self.col_e]
+
+    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+        """The plan's segments from a solution vector: runs of ``r``, cut after each ``e``."""
+        segs: list[GraphSegment] = []
+        run: list[int] = []
+        for i in range(self.n):
+            if x[self.col_r[i]] > 0.5:
+                run.append(i)
+                if x[self.col_e[i]] > 0.5:
+                    segs.append(GraphSegment(tuple(run)))
+                    run = []
+            elif run:
+                segs.append(GraphSegment(tuple(run)))
+                run = []
+        if run:
+            segs.append(GraphSegment(tuple(run)))
+        return tuple(segs)
+
+
+def _model(graph: Graph, encoding: str) -> _Model:
+    return RunModel(graph) if encoding == "runs" else StageModel(graph)
+
+
+def _lower_bound(graph: Graph) -> int:
+    """Bytes every plan needs: the loss, and each backward with its own saved tensors."""
+    n, nodes = graph.n, graph.nodes
+    sinks = set(graph.sinks)
+    maxcons = [max(graph.consumers(u), default=-1) for u in range(n)]
+    loss = graph.input_bytes + sum(2 * nodes[o].out_bytes for o in sinks)
+    best = loss
+    for v in range(n):
+        grads = sum(nodes[u].out_bytes for u in range(v + 1) if u in sinks or maxcons[u] > v)
+        new = sum(nodes[u].out_bytes for u in nodes[v].inputs if maxcons[u] == v)
+        best = max(
+            best,
+            graph.input_bytes + grads + new + nodes[v].saved_bytes + nodes[v].bwd_overhead_bytes,
+        )
+    return best
+
+
+def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
+    """The least simulated peak over the MILP's plans (or the best found in the time)."""
+    sol = model.solve(None, integral=True, time_limit_s=time_limit_s)
+    if sol["x"] is None:
+        return None, sol["status"]
+    plan = GraphPlan(model.segments(sol["x"]))
+    return simulate_graph(model.graph, plan).peak_bytes, sol["status"]
+
+
+def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
+    model = _model(graph, config.encoding)
+    if budget < _lower_bound(graph):
+        minimum, status = _minimum_peak(model, config.time_limit_s)
+        raise BudgetTooSmallError(
+            budget,
+            minimum if minimum is not None else _lower_bound(graph),
+            "checkmate-milp",
+            "below what the loss or some backward needs"
+            + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
+        )
+    target = budget
+    for _ in range(3):
+        sol = model.solve(
+            target, integral=True, time_limit_s=config.time_limit_s, mip_rel_gap=config.mip_rel_gap
+        )
+        if sol["status"] == "infeasible":
+            minimum, status = _minimum_peak(model, config.time_limit_s)
+            raise BudgetTooSmallError(
+                budget,
+                minimum if minimum is not None else budget + 1,
+                "checkmate-milp",
+                "no flat run-segment plan fits"
+                + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
+            )
+        if sol["x"] is None:
+            raise PlannerTimeoutError(
+                f"checkmate-milp found no plan within time_limit_s={config.time_limit_s} "
+                f"({sol['message']}); raise the limit, or use 'checkmate-lp' or 'articulation'"
+            )
+        plan = GraphPlan(model.segments(sol["x"]))
+        peak = simulate_graph(graph, plan).peak_bytes
+        if peak <= budget:
+            break
+        target -= peak - budget  # numerical slack of the solver: tighten and solve again
+    params = {
+        "status": sol["status"],
+        "objective": sol["objective"],
+        "mip_gap": sol.get("mip_gap", 0.0),
+        "mip_dual_bound": sol.get("mip_dual_bound"),
+        "mip_node_count": sol.get("mip_node_count"),
+        "solve_seconds": round(sol["seconds"], 3),
+        "time_limit_s": config.time_limit_s,
+        "binaries": sol["binaries"],
+        "rows": sol["rows"],
+        "columns": sol["columns"],
+        "milp_peak_bytes": model.milp_peak_bytes(sol["x"]),
+    }
+    return GraphPlan(plan.segments, method="checkmate-milp", params=params)
+
+
+def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
+    model = _model(graph, config.encoding)
+    n = graph.n
+    sol = None
+    for fraction in (config.lp_budget_fraction, 1.0):
+        sol = model.solve(int(budget * fraction), integral=False, time_limit_s=config.time_limit_s)
+        if sol["x"] is not None:
+            break
+    if sol is None or sol["x"] is None:
+        minimum = simulate_graph(graph, GraphPlan.from_segments([range(n)])).peak_bytes
+        raise BudgetTooSmallError(
+            budget, minimum, "checkmate-lp", f"the LP relaxation is {sol and sol['status']}"
+        )
+    x = sol["x"]
+    mass, ends = model.fractions(x)
+    rng = random.Random(config.seed)
+    thresholds = [k / 10 for k in range(1, 10)]
+    thresholds += [min(1.0, max(0.0, rng.gauss(0.5, 0.5))) for _ in range(config.random_roundings)]
+    candidates: dict[tuple[tuple[int, ...], ...], GraphPlan] = {}
+    for theta in thresholds:
+        chosen = [i for i in range(n) if mass[i] >= theta and mass[i] > 1e-9]
+        for split_at_ends in (False, True):
+            runs: list[list[int]] = []
+            for i in chosen:
+                if runs and runs[-1][-1] == i - 1 and not (split_at_ends and ends[i - 1] >= 0.5):
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            key = tuple(tuple(r) for r in runs)
+            candidates.setdefault(key, GraphPlan.from_segments(runs))
+    best = None
+    lowest = None
+    for plan in candidates.values():
+        sim = simulate_graph(graph, plan)
+        lowest = sim.peak_bytes if lowest is None else min(lowest, sim.peak_bytes)
+        if sim.peak_bytes <= budget and (best is None or sim.total_time < best[0]):
+            best = (sim.total_time, plan)
+    if best is None:
+        raise BudgetTooSmallError(
+            budget,
+            lowest or budget + 1,
+            "checkmate-lp",
+            "no rounding of the LP fits; try checkmate-milp",
+        )
+    bound = model.solve(budget, integral=False, time_limit_s=config.time_limit_s)
+    lp_time = bound.get("objective")
+    params = {
+        "status": sol["status"],
+        "lp_bound": lp_time,
+        "lp_gap": (best[0] - lp_time) / lp_time if lp_time else None,
+        "lp_budget_bytes": int(budget * config.lp_budget_fraction),
+        "roundings": len(candidates),
+        "solve_seconds": round(sol["seconds"], 3),
+    }
+    return GraphPlan(best[1].segments, method="checkmate-lp", params=params)

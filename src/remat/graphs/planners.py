@@ -1,0 +1,126 @@
+"""Graph planners: pure functions ``(graph, budget, **options) -> GraphPlan``, selected by name.
+
+Every graph planner has the signature ``planner(graph: Graph, budget: int | None, **options)``
+and is registered with :func:`register_graph_planner`. ``budget`` is the peak memory in bytes
+that :func:`remat.graphs.simulate_graph` must predict (``None``: the planner's default);
+``options`` are the planner's keyword settings (validated by its own config dataclass).
+:func:`plan_graph` is the entry point: it parses the budget, calls the planner, and stamps the
+plan with its simulated cost, raising :class:`~remat.planners.BudgetTooSmallError` (which names
+the minimum) when the plan does not fit.
+
+Registered planners (name -> module):
+
+==================  ================  ==========================================================
+``none``            ``planners``      store everything
+``reforward``       ``reforward``     Feng & Huang, division tree; minimal peak (their model)
+``checkmate-milp``  ``milp``          Jain et al. 2020 (Checkmate), exact MILP, minimal time
+``checkmate-lp``    ``milp``          Checkmate's LP relaxation + rounding (fast, approximate)
+``articulation``    ``articulation``  cut points -> a Chain of blocks -> any chain planner
+==================  ================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from remat.graphs.graph import Graph
+from remat.graphs.plan import GraphPlan
+from remat.graphs.simulate import simulate_graph
+from remat.planners import BudgetTooSmallError
+from remat.units import parse_bytes
+
+__all__ = [
+    "plan_graph",
+    "register_graph_planner",
+    "get_graph_planner",
+    "available_graph_planners",
+    "GraphPlanner",
+]
+
+GraphPlanner = Callable[..., GraphPlan]
+
+_REGISTRY: dict[str, GraphPlanner] = {}
+_MODULES = ("reforward", "milp", "articulation")
+
+
+def register_graph_planner(name: str) -> Callable[[GraphPlanner], GraphPlanner]:
+    """Decorator: register ``fn`` as the graph planner called ``name``."""
+
+    def wrap(fn: GraphPlanner) -> GraphPlanner:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"graph planner {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def _load_all() -> None:
+    for module in _MODULES:
+        importlib.import_module(f"remat.graphs.{module}")
+
+
+def available_graph_planners() -> list[str]:
+    """Names of every registered graph planner."""
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_graph_planner(name: str) -> GraphPlanner:
+    """The graph planner registered as ``name`` (clear error listing the names otherwise)."""
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown graph planner {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def plan_graph(
+    graph: Graph,
+    method: str = "checkmate-milp",
+    budget: int | float | str | None = None,
+    **options: Any,
+) -> GraphPlan:
+    """Plan ``graph`` with the graph planner ``method`` under a peak-memory ``budget``.
+
+    ``budget`` is the peak that :func:`remat.graphs.simulate_graph` predicts (bytes, or a
+    string such as ``"512MiB"``); ``None`` lets the planner pick its default. ``options`` go to
+    the planner (e.g. ``time_limit_s=10`` for ``checkmate-milp``). The returned plan carries its
+    simulated peak and time and the graph's fingerprint. Raises
+    :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
+
+    >>> from remat.graphs.graph import Graph
+    >>> g = Graph.from_edges([(), (0,), (1,)], out_bytes=[4, 4, 4])
+    >>> p = plan_graph(g, "none")
+    >>> p.method, p.predicted_peak_bytes
+    ('none', 20)
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    result = get_graph_planner(method)(graph, budget_bytes, **options).for_graph(graph)
+    sim = simulate_graph(graph, result)
+    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+        raise BudgetTooSmallError(
+            budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
+        )
+    params = dict(result.params)
+    if budget_bytes is not None:
+        params.setdefault("budget_bytes", budget_bytes)
+    return replace(
+        result,
+        method=method,
+        params=params,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time=sim.total_time,
+        graph_fingerprint=graph.fingerprint,
+    )
+
+
+@register_graph_planner("none")
+def plan_none(graph: Graph, budget: int | None = None) -> GraphPlan:
+    """Store every node: the fastest plan and the largest peak."""
+    return GraphPlan.none()
