@@ -183,15 +183,18 @@ def remat_setup(
             )
     except BudgetTooSmallError as err:
         return Setup(name, None, family="remat", error=str(err))
+    from remat.auto import total_peak_bytes
+
     module = apply(work.model, p, stages=work.stages)
+    persistent = work.fixed_bytes - sum(work.grad_bytes)
     return Setup(
         name,
         module,
         family="remat",
-        predicted_peak_bytes=work.fixed_bytes + (p.predicted_peak_bytes or 0),
+        predicted_peak_bytes=total_peak_bytes(work.chain, p, persistent, work.grad_bytes),
         notes={
             "plan": p.describe(),
-            "method": method,
+            "planner": method,
             "total_budget": total_budget,
             "predicted_time": p.predicted_time,
         },
