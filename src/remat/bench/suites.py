@@ -203,8 +203,69 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
         for setup in remat_setups:
             progress(f"{name}: {setup.method}")
             measured.append(measure_setup(setup, work, eager_grads))
+        if not quick:
+            for fraction in (0.25, 0.5):
+                progress(f"{name}: rockmate-rotor@{fraction}")
+                measured.append(_rockmate_row(name, fraction, measured))
         rows.extend(_finish_rows(measured))
     return rows
+
+
+def _rockmate_row(model: str, fraction: float, measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rockmate 2.0.0 (patched to run on the CPU, benchmarks/peers/README.md) in its own process:
+    it keeps one live module per process. Its ratios are against the eager steps it interleaves
+    in that process; its exact error is the row when it cannot run here."""
+    import subprocess
+    import sys
+    import tempfile
+
+    row: dict[str, Any] = {
+        "model": model,
+        "method": f"rockmate-rotor@{fraction:g}",
+        "family": "peer",
+        "notes_runner": "Rockmate 2.0.0, patched to run on the CPU",
+    }
+    runner = Path(__file__).resolve().parents[3] / "benchmarks" / "peers" / "rockmate_runner.py"
+    if not runner.is_file():
+        row["error"] = f"runner not found at {runner} (run from a source checkout)"
+        return row
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rockmate.json"
+        try:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    str(runner),
+                    "--model",
+                    model,
+                    "--budget-fraction",
+                    str(fraction),
+                    "--out",
+                    str(out),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
+        except subprocess.TimeoutExpired:
+            row["error"] = "rockmate runner exceeded 1200 s"
+            return row
+        if not out.is_file():
+            row["error"] = (proc.stderr or proc.stdout or "no output")[-1500:]
+            return row
+        result = json.loads(out.read_text())
+    if result.get("error"):
+        row["error"] = str(result["error"])[:2000]
+        return row
+    eager_peak = result.get("eager_peak_bytes")
+    row["peak_bytes"] = result["peak_bytes"]
+    row["time_ratio"] = result.get("time_ratio")
+    row["max_grad_rel_diff"] = result.get("max_grad_rel_diff")
+    row["plan_seconds"] = result.get("plan_seconds")
+    row["patched"] = result.get("patched")
+    if eager_peak:
+        row["rockmate_eager_peak_bytes"] = eager_peak
+    return row
 
 
 def suite_budget(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
