@@ -1,0 +1,851 @@
+"""A model as a costed :class:`~remat.graphs.graph.Graph`: :func:`capture_graph`.
+
+One training step (``loss_fn(model, batch)`` then ``backward``) runs under a recorder that sees
+every call the Python program makes into torch: a ``TorchFunctionMode`` intercepts
+``F.conv2d``, ``torch.cat``, ``Tensor.add_``, ``F.scaled_dot_product_attention``, ... (the ops
+of ``torch.export``'s training IR, recorded in eager mode in a fraction of a second instead of
+the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls are grouped into
+**nodes** whose vertices are tensors, as in Feng & Huang's computation graphs
+(``shared/papers/notes.md`` §4.2):
+
+* **views and in-place ops join the node that made the storage they alias** (``x.view``,
+  ``relu_`` after a batch norm, ResNet's ``out += identity``): a node is a storage, its value is
+  final when its last call ends. An in-place op on a storage that another node has already
+  read starts a new node (the old value was consumed; Known limitations).
+* ``level="op"``: every remaining call is a node. ``level="module"``: all the calls made inside
+  one call of a leaf module (a module without children) are one node named by its FQN
+  (``layer1.0.conv1``); calls made in a container's own ``forward`` (ResNet's add, DenseNet's
+  ``cat``, GPT-2's attention arithmetic) are nodes of their own named ``scope/op``.
+* a node whose output no backward saves and that feeds exactly one other node is **merged into
+  that node** (e.g. GPT-2's dropout before the residual add, ResNet's downsample batch norm
+  before ``+=``): the simulator keeps a stored node's output until its backward, so a node whose
+  output autograd does not keep would be over-counted. After merging every node's output is
+  saved by some backward except the sinks and outputs read by several nodes.
+* calls whose outputs need no gradient (masks, position ids, integer arithmetic) are not nodes;
+  the storages they make that a backward saves are counted in ``Graph.input_bytes`` with the
+  batch. Nodes from which the loss cannot be reached are dropped.
+
+Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
+
+* ``out_bytes``: the node's storages that other nodes read (the sink: its last output);
+* ``saved_bytes``: ``out_bytes`` plus the **residual**: every other storage that autograd saves
+  for the node's own backward (``torch.autograd.graph.saved_tensors_hooks``, unique storages:
+  batch-norm statistics, dropout masks, attention log-sum-exp, the log-softmax of a loss);
+  parameters, buffers, the batch and the outputs of other nodes are excluded;
+* ``saved_inputs``: the inputs whose storages the node's backward saves;
+* ``fwd_time`` / ``bwd_time``: seconds (median of ``repeats`` timed steps; the backward of a
+  node is the time of the autograd functions its calls created, seen through ``grad_fn`` hooks),
+  or with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``;
+* ``fwd_overhead_bytes`` / ``bwd_overhead_bytes``: the highest transient bytes inside one of the
+  node's calls / autograd functions beyond what is live when it returns (MemTracker).
+
+The loss (``loss_fn``, default :func:`remat.profile.default_loss_fn`) is part of the graph: its
+calls are nodes (scope ``<loss>``), the loss scalar is the sink. ``fake=True`` runs everything
+under ``FakeTensorMode`` (paper-size models in seconds, nothing allocated; bytes equal the real
+run's). Capturing changes nothing: parameter gradients, buffers and the RNG state are restored.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    >>> graph = capture_graph(model, torch.randn(4, 8), level="module", fake=True)
+    >>> [node.name for node in graph.nodes]
+    ['0', '2', '<loss>/sum']
+    >>> graph.nodes[0].saved_bytes   # Linear's output; ReLU (in place? no: a new storage it saves) merged
+    128
+
+Known limitations:
+    * Nodes are torch-level calls, not the ATen ops below them: a ``CompositeImplicit`` function
+      such as ``F.linear`` or ``F.cross_entropy`` is one node (its internal intermediates are its
+      residual or its overhead). Checkpoint regions can only open and close between such calls
+      (autograd saves tensors above the dispatcher), so this is the finest level an eager
+      executor can carry out exactly (``docs/graph-executor.md``).
+    * An in-place op on a storage that another node already read becomes a node whose output
+      aliases its input's storage: both count the bytes (an over-estimate, never seen in the
+      torchvision and Hugging Face models tested).
+    * An output read by several nodes and saved by none keeps ``out_bytes`` in ``saved_bytes``
+      (over-estimate); :attr:`GraphTrace.output_saved` says which.
+    * Data-dependent Python control flow is recorded for the batch given (like any trace); a
+      model that calls itself several times inside ``loss_fn`` is not supported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat.graphs.graph import Graph, Node
+from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
+
+__all__ = [
+    "LEVELS",
+    "LOSS_SCOPE",
+    "capture_graph",
+    "trace_graph",
+    "trace_levels",
+    "GraphTrace",
+    "CallInfo",
+    "is_tensor_call",
+]
+
+LEVELS = ("module", "op")
+"""The node granularities :func:`capture_graph` offers."""
+
+LOSS_SCOPE = "<loss>"
+"""Scope of the calls made outside the model's forward (the loss)."""
+
+ROOT_SCOPE = "<model>"
+"""Scope of the calls made in the root module's own ``forward``."""
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """One intercepted torch call of the traced step (what the executor replays)."""
+
+    index: int
+    """Position in the sequence of intercepted calls."""
+    func: Callable[..., Any]
+    """The function called (compared by identity when the executor runs the model)."""
+    op: str
+    """Its name (``conv2d``, ``add_``, ...)."""
+    scope: str
+    """FQN of the innermost module running (``<model>`` for the root, ``<loss>`` outside)."""
+    inside: bool
+    """True when made inside the model's forward (False: in ``loss_fn`` around it)."""
+    node: int | None
+    """The graph node the call belongs to, or ``None`` (sizes, masks, buffer updates)."""
+    view: bool
+    """True for a view or alias of an existing storage (no data read or written)."""
+    random: bool
+    """True when an ATen op with the ``nondeterministic_seeded`` tag ran inside it."""
+    mutated: tuple[int, ...]
+    """Positions (in the flattened tensor arguments) of the tensors it modified in place."""
+
+
+@dataclass(frozen=True)
+class GraphTrace:
+    """:func:`trace_graph`'s result: the graph and how the traced calls map onto it."""
+
+    graph: Graph
+    """The costed graph."""
+    level: str
+    """``"module"`` or ``"op"``."""
+    calls: tuple[CallInfo, ...]
+    """Every intercepted call in order (only those inside the model, ``inside=True``, are run
+    by the planned module)."""
+    node_calls: tuple[tuple[int, ...], ...]
+    """Per node, the indices of its calls."""
+    output_saved: tuple[bool, ...]
+    """Per node, True when some backward saves its output (False for the sinks and for
+    outputs read by several nodes that no backward keeps)."""
+    node_inside: tuple[bool, ...]
+    """Per node, True when its calls run inside the model's forward (False: loss nodes)."""
+    saves_own_output: tuple[bool, ...]
+    """Per node, True when the node's own backward saves its output (a ReLU, a softmax); when
+    False only its consumers' backwards keep it (a convolution's output, saved by the next
+    batch norm), so it dies with their saves, before the node's own backward."""
+    batch_bytes: int
+    """Unique bytes of the batch's tensors (part of ``graph.input_bytes``)."""
+    saved_constant_bytes: int
+    """Bytes of saved storages made by calls that need no gradient (part of
+    ``graph.input_bytes``)."""
+    real_saved_bytes: int = field(default=0)
+    """Unique bytes autograd saved during the traced forward (parameters and batch excluded),
+    counted directly from the hooks: ``sum(saved_bytes) - unsaved outputs`` equals it."""
+
+
+def capture_graph(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    level: str = "module",
+    fake: bool = False,
+    repeats: int = 1,
+) -> Graph:
+    """Capture ``model`` on ``batch`` as a costed :class:`Graph` (see the module docstring).
+
+    ``level`` is ``"module"`` (leaf modules and the functional calls between them) or ``"op"``
+    (every torch call); ``fake=True`` measures under fake tensors with FLOPs as times;
+    ``repeats`` timed steps give the median times (real tensors only).
+    """
+    return trace_graph(model, batch, loss_fn, level, fake, repeats).graph
+
+
+def trace_graph(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    level: str = "module",
+    fake: bool = False,
+    repeats: int = 1,
+    costs: bool = True,
+) -> GraphTrace:
+    """Like :func:`capture_graph`, also returning how the traced calls map onto the nodes.
+
+    ``costs=False`` skips the backward, the memory tracker and the timing (the executor only
+    needs the structure; node bytes are still exact, times are zero).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    return trace_levels(model, batch, loss_fn, (level,), fake, repeats, costs)[level]
+
+
+def trace_levels(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    levels: tuple[str, ...] = LEVELS,
+    fake: bool = False,
+    repeats: int = 1,
+    costs: bool = True,
+) -> dict[str, GraphTrace]:
+    """One recorded step grouped at several ``levels`` (the recording does not depend on the
+    level; grouping is cheap)."""
+    for level in levels:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    loss_fn = loss_fn or default_loss_fn
+    if fake:
+        with fake_step(model, batch) as (mode, fake_batch, _), mode:
+            state = _record(model, fake_batch, loss_fn, costs, flops=True)
+            return {level: _build(state, level, "flop") for level in levels}
+    with _preserved(model):
+        state = _record(model, batch, loss_fn, costs, flops=False)
+        if costs:
+            _time_calls(model, batch, loss_fn, state, repeats)
+    return {level: _build(state, level, "s") for level in levels}
+
+
+# ---------------------------------------------------------------------- recording
+@dataclass
+class _Rec:
+    """A call as recorded (mutable while tracing)."""
+
+    index: int
+    func: Callable[..., Any]
+    op: str
+    scope: str
+    group: tuple[Any, ...]
+    inside: bool
+    in_keys: list[int] = field(default_factory=list)
+    out_keys: list[int] = field(default_factory=list)
+    new: list[bool] = field(default_factory=list)
+    mutated: tuple[int, ...] = ()
+    requires_grad: bool = False
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    random: bool = False
+    fwd_cost: float = 0.0
+    bwd_cost: float = 0.0
+    fwd_extra: int = 0
+    bwd_extra: int = 0
+    times: list[float] = field(default_factory=list)
+    bwd_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _State:
+    """Everything one recorded step produced."""
+
+    root: nn.Module
+    names: dict[int, str]
+    calls: list[_Rec] = field(default_factory=list)
+    current: _Rec | None = None
+    stack: list[tuple[nn.Module, int]] = field(default_factory=list)
+    serial: int = 0
+    inside: int = 0
+    entered: int = 0
+    known: dict[int, int] = field(default_factory=dict)
+    fixed: set[int] = field(default_factory=set)
+    batch_keys: dict[int, int] = field(default_factory=dict)
+    hold: list[torch.Tensor] = field(default_factory=list)
+    grad_fns: dict[Any, int] = field(default_factory=dict)
+    loss_key: int = -1
+    real_saved: dict[int, int] = field(default_factory=dict)
+    stray_saves: int = 0
+
+    def scope(self) -> str:
+        if not self.inside:
+            return LOSS_SCOPE
+        for module, _ in reversed(self.stack):
+            name = self.names.get(id(module))
+            if name is not None:
+                return name or ROOT_SCOPE
+        return ROOT_SCOPE
+
+    def group(self, index: int) -> tuple[Any, ...]:
+        if self.inside and self.stack:
+            module, serial = self.stack[-1]
+            if module is not self.root and not any(True for _ in module.children()):
+                return ("leaf", serial)
+        return ("call", index)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+class _Recorder(TorchFunctionMode):
+    """Records every torch call: arguments' and outputs' storages, in-place writes, costs."""
+
+    def __init__(self, state: _State, tracker: StepTracker | None, flops: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.tracker = tracker
+        self.flops = flops
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        st = self.state
+        ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        versions = [_version(t) for t in ins]
+        index = len(st.calls)
+        rec = _Rec(index, func, _op_name(func), st.scope(), st.group(index), st.inside > 0)
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.reset_window()
+        flops0 = _total_flops(self.flops)
+        prev, st.current = st.current, rec
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            st.current = prev
+        outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
+        if not is_tensor_call(func, outs, mutated):
+            return out  # sizes, flags, hooks: not part of the program
+        st.calls.append(rec)
+        rec.mutated = mutated
+        rec.fwd_cost = _total_flops(self.flops) - flops0
+        if tracker is not None:
+            rec.fwd_extra = max(0, tracker.window_peak - tracker.activation_bytes())
+        for t in ins:
+            key = _key(t)
+            rec.in_keys.append(key)
+            if key not in st.known:  # a tensor made outside any call (module attribute, ...)
+                st.known[key] = _nbytes(t)
+                st.hold.append(t)
+        for t in outs:
+            key = _key(t)
+            rec.out_keys.append(key)
+            rec.new.append(key not in st.known)
+            if key not in st.known:
+                st.known[key] = _nbytes(t)
+            st.hold.append(t)
+        changed = outs + [ins[i] for i in mutated]
+        rec.requires_grad = any(t.requires_grad for t in changed)
+        if rec.requires_grad and torch.is_grad_enabled():
+            _claim_grad_fns(st, changed, index)
+        return out
+
+
+_UNCOUNTED_GETTERS = frozenset({"grad", "_grad", "_base"})
+
+
+def is_tensor_call(func: Callable[..., Any], outs: list[torch.Tensor], mutated: tuple) -> bool:
+    """True for a call that is part of the program: it returns a tensor or writes one in place.
+
+    Property reads that tools make (``.grad``, ``._base``) are not, nor are calls returning
+    no tensor (``size``, ``dim``, ``register_hook``): profilers and trackers make those from
+    their hooks, and they must not shift the numbering of the model's calls.
+    """
+    if not outs and not mutated:
+        return False
+    if getattr(func, "__name__", None) == "__get__":
+        owner = getattr(func, "__self__", None)
+        if getattr(owner, "__name__", None) in _UNCOUNTED_GETTERS:
+            return False
+    return True
+
+
+class _RandomWatch(TorchDispatchMode):
+    """Marks the current call random when an ATen op tagged ``nondeterministic_seeded`` runs."""
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        rec = self.state.current
+        if rec is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            rec.random = True
+        return func(*args, **(kwargs or {}))
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", None)
+    if name in (None, "__get__", "__set__"):
+        owner = getattr(func, "__self__", None) or getattr(func, "__objclass__", None)
+        name = getattr(owner, "__name__", None) or str(func)
+    return str(name).strip("_") or str(name)
+
+
+def _total_flops(counter: Any) -> float:
+    if counter is None:
+        return 0.0
+    return float(sum(counter.flop_counts["Global"].values()))
+
+
+def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
+    """Assign the autograd functions this call created (reachable from its outputs through
+    functions no earlier call owns) to the call."""
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in st.grad_fns or type(fn).__name__ == "AccumulateGrad":
+            continue
+        st.grad_fns[fn] = index
+        stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
+
+
+def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: bool) -> _State:
+    """Run ``loss_fn(model, batch)`` (and the backward when ``costs``) under the recorder."""
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    st = _State(root=model, names=names)
+    for t in (*model.parameters(), *model.buffers()):
+        st.fixed.add(_key(t))
+        st.known[_key(t)] = _nbytes(t)
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            st.batch_keys[_key(t)] = _nbytes(t)
+            st.known[_key(t)] = _nbytes(t)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in st.fixed and key not in st.batch_keys:
+            st.real_saved[key] = _nbytes(t)
+        if st.current is None:
+            st.stray_saves += 1
+        else:
+            st.current.saves.append((key, _nbytes(t)))
+        return t
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        st.serial += 1
+        st.stack.append((module, st.serial))
+        if module is model:
+            st.inside += 1
+            st.entered += 1
+
+    def post_hook(module: nn.Module, args: Any, out: Any) -> None:
+        if st.stack and st.stack[-1][0] is module:
+            st.stack.pop()
+        if module is model:
+            st.inside -= 1
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False) if (costs and flops) else None
+    tracker = StepTracker(timeline=False) if costs else None
+    params = list(model.parameters())
+    grads = {p: p.grad for p in params}
+    for p in params:
+        p.grad = None
+    with ExitStack() as stack:
+        stack.callback(lambda: [setattr(p, "grad", g) for p, g in grads.items()])
+        pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        stack.callback(pre.remove)
+        post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+        stack.callback(post.remove)
+        if tracker is not None:
+            tracker.track_external(model, batch)
+            stack.enter_context(tracker)
+            tracker.start()
+        if counter is not None:
+            stack.enter_context(counter)
+        stack.enter_context(_RandomWatch(st))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _Recorder(st, tracker, counter):
+                loss = loss_fn(model, batch)
+        if st.entered != 1:
+            raise ValueError(
+                f"loss_fn(model, batch) ran the model's forward {st.entered} times; capture_graph "
+                "needs exactly one forward per step"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("loss_fn(model, batch) must return a scalar tensor")
+        st.loss_key = _key(loss)
+        if costs and loss.requires_grad:
+            _backward_costs(st, loss, tracker, counter)
+        del loss
+    return st
+
+
+def _backward_costs(st: _State, loss: torch.Tensor, tracker: Any, counter: Any) -> None:
+    """Run the backward with hooks on every autograd function: FLOPs and transient bytes."""
+    handles = []
+    calls = st.calls
+    starts: dict[Any, float] = {}
+
+    def make_hooks(fn: Any, index: int) -> None:
+        def pre(grad_outputs: Any) -> None:
+            if tracker is not None:
+                tracker.reset_window()
+            starts[fn] = _total_flops(counter)
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            rec = calls[index]
+            rec.bwd_cost += _total_flops(counter) - starts.pop(fn, 0.0)
+            if tracker is not None:
+                extra = tracker.window_peak - tracker.activation_bytes()
+                rec.bwd_extra = max(rec.bwd_extra, extra)
+
+        handles.append(fn.register_prehook(pre))
+        handles.append(fn.register_hook(post))
+
+    for fn, index in st.grad_fns.items():
+        make_hooks(fn, index)
+    try:
+        if tracker is not None:
+            tracker.set_phase("backward")
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repeats: int) -> None:
+    """Seconds per call: ``repeats`` steps under a light timing mode, medians."""
+    calls = st.calls
+
+    class Timer(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.index = 0
+            self.grad_fns: dict[Any, int] = {}
+            self.seconds = [0.0] * len(calls)
+
+        def __torch_function__(
+            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            versions = [_version(t) for t in ins]
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+            mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
+            if not is_tensor_call(func, outs, mutated):
+                return out
+            index = self.index
+            self.index += 1
+            if index < len(self.seconds):
+                self.seconds[index] += seconds
+            if torch.is_grad_enabled():
+                stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+                while stack:
+                    fn = stack.pop()
+                    if fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
+                        continue
+                    self.grad_fns[fn] = index
+                    stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
+            return out
+
+    params = list(model.parameters())
+    for _ in range(repeats):
+        timer = Timer()
+        with timer:
+            loss = loss_fn(model, batch)
+        if timer.index != len(calls):
+            raise RuntimeError(
+                f"the timed step made {timer.index} torch calls, the recorded one {len(calls)}: "
+                "the model's forward is not deterministic in its calls"
+            )
+        bwd = [0.0] * len(calls)
+        handles = _timing_hooks(timer.grad_fns, bwd)
+        try:
+            if loss.requires_grad:
+                loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+            for p in params:
+                p.grad = None
+        del loss
+        for rec, fwd, back in zip(calls, timer.seconds, bwd, strict=True):
+            rec.times.append(fwd)
+            rec.bwd_times.append(back)
+    for rec in calls:
+        rec.fwd_cost = statistics.median(rec.times)
+        rec.bwd_cost = statistics.median(rec.bwd_times)
+
+
+def _timing_hooks(grad_fns: dict[Any, int], seconds: list[float]) -> list[Any]:
+    """Hooks adding each autograd function's backward seconds to its call's entry."""
+    starts: dict[Any, float] = {}
+    handles = []
+    for fn, index in grad_fns.items():
+
+        def pre(grad_outputs: Any, fn: Any = fn) -> None:
+            starts[fn] = time.perf_counter()
+
+        def post(grad_inputs: Any, grad_outputs: Any, fn: Any = fn, index: int = index) -> None:
+            seconds[index] += time.perf_counter() - starts.pop(fn, time.perf_counter())
+
+        handles.append(fn.register_prehook(pre))
+        handles.append(fn.register_hook(post))
+    return handles
+
+
+@contextmanager
+def _preserved(model: nn.Module) -> Iterator[None]:
+    """Restore buffers, parameter gradients and the RNG state afterwards."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = {p: p.grad for p in model.parameters()}
+    devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g
+
+
+# ---------------------------------------------------------------------- calls to nodes
+@dataclass
+class _N:
+    """A provisional node while grouping."""
+
+    calls: list[int] = field(default_factory=list)
+    name_call: int = -1
+    order: int = -1
+    inputs: set[int] = field(default_factory=set)
+    saved_inputs: set[int] = field(default_factory=set)
+    storages: list[int] = field(default_factory=list)
+    read: set[int] = field(default_factory=set)
+    own_saved: dict[int, int] = field(default_factory=dict)
+    saved_outputs: set[int] = field(default_factory=set)
+    self_saved: set[int] = field(default_factory=set)
+    inside: bool = True
+
+
+def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
+    calls = st.calls
+    owner: dict[int, int] = {}  # storage -> node
+    readers: dict[int, set[int]] = {}  # storage -> foreign nodes that read it since its last write
+    nodes: list[_N] = []
+    by_group: dict[tuple[Any, ...], int] = {}
+    constants: set[int] = set()
+    saved_constants: dict[int, int] = {}
+    call_node: list[int | None] = [None] * len(calls)
+    is_view = [False] * len(calls)
+
+    def new_node(rec: _Rec) -> int:
+        nodes.append(_N(name_call=rec.index, inside=rec.inside))
+        return len(nodes) - 1
+
+    for rec in calls:
+        if not rec.out_keys and not rec.mutated:
+            continue  # sizes, flags, ...
+        prior = [owner.get(k) for k in rec.in_keys]
+        written = [rec.in_keys[i] for i in rec.mutated if rec.in_keys[i] in owner]
+        new = [k for k, fresh in zip(rec.out_keys, rec.new, strict=True) if fresh]
+        reads = True
+        if new and rec.requires_grad:
+            group = rec.group if level == "module" else ("call", rec.index)
+            v = by_group.get(group)
+            if v is None:
+                v = by_group[group] = new_node(rec)
+            for k in new:
+                owner[k] = v
+                nodes[v].storages.append(k)
+            for k in written:
+                owner[k], readers[k] = v, set()
+        elif written:
+            u = owner[written[0]]
+            foreign = readers.get(written[0], set()) - {u}
+            v = new_node(rec) if foreign else u
+            for k in written:
+                if k not in nodes[v].storages:
+                    nodes[v].storages.append(k)
+                owner[k], readers[k] = v, set()
+        elif new:
+            constants.update(new)  # needs no gradient: masks, indices, ...
+            continue
+        else:
+            owned = [owner[k] for k in rec.out_keys if k in owner]
+            if not owned:
+                continue  # a view of a parameter, buffer, batch or constant
+            v, reads, is_view[rec.index] = owned[0], False, True
+        call_node[rec.index] = v
+        node = nodes[v]
+        node.calls.append(rec.index)
+        if not is_view[rec.index]:
+            node.order = rec.index
+        if reads:
+            for k, u in zip(rec.in_keys, prior, strict=True):
+                if u is None or u == v:
+                    continue
+                node.inputs.add(u)
+                nodes[u].read.add(k)
+                readers.setdefault(k, set()).add(v)
+        for k, nbytes in rec.saves:
+            if k in st.fixed or k in st.batch_keys:
+                continue
+            if k in constants or (k not in owner and k in st.known):
+                saved_constants[k] = nbytes
+                continue
+            u = owner.get(k)
+            if u is None or u == v:  # own output, or a storage made inside the call
+                node.own_saved[k] = nbytes
+                if u == v:
+                    node.saved_outputs.add(k)
+                    node.self_saved.add(k)
+            else:
+                node.saved_inputs.add(u)
+                nodes[u].saved_outputs.add(k)
+
+    # outputs: the storages other nodes read (a sink: its last storage)
+    outs: list[list[int]] = []
+    for node in nodes:
+        read = [k for k in node.storages if k in node.read]
+        outs.append(read or node.storages[-1:])
+    output_saved = [any(k in node.saved_outputs for k in outs[v]) for v, node in enumerate(nodes)]
+
+    # merge a node whose output nobody saves into its only consumer
+    parent = list(range(len(nodes)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    consumers: list[set[int]] = [set() for _ in nodes]
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            consumers[u].add(v)
+    loss_node = owner.get(st.loss_key)
+    for v in sorted(range(len(nodes)), key=lambda x: -nodes[x].order):
+        if output_saved[v] or v == loss_node or not outs[v]:
+            continue
+        targets = {find(c) for c in consumers[v]} - {find(v)}
+        if len(targets) != 1:
+            continue
+        w = targets.pop()
+        if nodes[w].inside != nodes[v].inside:
+            continue
+        parent[v] = w
+        keep, gone = nodes[w], nodes[v]
+        keep.calls.extend(gone.calls)
+        keep.inputs |= gone.inputs
+        keep.saved_inputs |= gone.saved_inputs
+        keep.own_saved.update(gone.own_saved)
+        keep.order = max(keep.order, gone.order)
+        for k in outs[v]:  # now internal: nobody saves them, so not counted
+            keep.own_saved.pop(k, None)
+
+    # keep the ancestors of the loss
+    roots = [find(v) for v in range(len(nodes))]
+    alive: set[int] = set()
+    if loss_node is not None:
+        stack = [find(loss_node)]
+        while stack:
+            x = stack.pop()
+            if x in alive:
+                continue
+            alive.add(x)
+            stack.extend(find(u) for u in nodes[x].inputs if find(u) != x)
+    final = sorted(alive, key=lambda x: nodes[x].order)
+    index = {x: i for i, x in enumerate(final)}
+    for c in range(len(calls)):
+        v = call_node[c]
+        call_node[c] = index.get(roots[v]) if v is not None else None
+
+    names: dict[str, int] = {}
+    graph_nodes = []
+    node_calls = []
+    for x in final:
+        node = nodes[x]
+        rec = calls[node.name_call]
+        if level == "module" and rec.group[0] == "leaf":
+            base = rec.scope
+        else:
+            base = f"{rec.scope}/{rec.op}"
+        count = names.get(base, 0)
+        names[base] = count + 1
+        name = base if count == 0 else f"{base}#{count}"
+        out_keys = set(outs[x])
+        out_bytes = sum(st.known[k] for k in out_keys)
+        residual = sum(b for k, b in node.own_saved.items() if k not in out_keys)
+        inputs = sorted({index[find(u)] for u in node.inputs if find(u) != x})
+        saved_inputs = sorted({index[find(u)] for u in node.saved_inputs if find(u) != x})
+        mine = sorted(node.calls)
+        graph_nodes.append(
+            Node(
+                name=name,
+                inputs=tuple(inputs),
+                fwd_time=float(sum(calls[c].fwd_cost for c in mine)),
+                bwd_time=float(sum(calls[c].bwd_cost for c in mine)),
+                out_bytes=out_bytes,
+                saved_bytes=out_bytes + residual,
+                fwd_overhead_bytes=max((calls[c].fwd_extra for c in mine), default=0),
+                bwd_overhead_bytes=max((calls[c].bwd_extra for c in mine), default=0),
+                saved_inputs=tuple(saved_inputs),
+            )
+        )
+        node_calls.append(tuple(mine))
+    if not graph_nodes:
+        raise ValueError(
+            "the traced step has no node with a gradient: does the loss depend on parameters "
+            "or on inputs that require grad?"
+        )
+    batch_bytes = sum(st.batch_keys.values())
+    const_bytes = sum(saved_constants.values())
+    graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
+    infos = tuple(
+        CallInfo(
+            index=rec.index,
+            func=rec.func,
+            op=rec.op,
+            scope=rec.scope,
+            inside=rec.inside,
+            node=call_node[rec.index],
+            view=is_view[rec.index],
+            random=rec.random,
+            mutated=rec.mutated,
+        )
+        for rec in calls
+    )
+    return GraphTrace(
+        graph=graph,
+        level=level,
+        calls=infos,
+        node_calls=tuple(node_calls),
+        output_saved=tuple(output_saved[x] for x in final),
+        node_inside=tuple(nodes[x].inside for x in final),
+        saves_own_output=tuple(any(k in nodes[x].self_saved for k in outs[x]) for x in final),
+        batch_bytes=batch_bytes,
+        saved_constant_bytes=const_bytes,
+        real_saved_bytes=sum(st.real_saved.values()),
+    )
