@@ -36,16 +36,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, suite: str, result: dict[str, Any]) -> None:
+def write_markdown(path: Path, suite: str, result: dict[str, Any], notes: str = "") -> None:
     machine = result["machine"]
+    what = notes or (
+        "Peak = exact bytes of a whole training step (Adam); ratios against eager measured in "
+        "the same run (interleaved, median of 5 steps)."
+    )
     header = [
         f"# remat bench {suite}{' (quick)' if result.get('quick') else ''}",
         "",
         f"Measured {machine['date']} on {machine['device']} ({machine.get('cpus')} CPUs, "
         f"{machine['threads']} torch threads), torch {machine['torch']}, Python "
-        f"{machine['python']}; the run took {result['seconds']:.0f} s. Peak = exact bytes of a "
-        "whole training step (Adam); ratios against eager measured in the same run "
-        "(interleaved, median of 5 steps).",
+        f"{machine['python']}; the run took {result['seconds']:.0f} s. {what}",
         "",
     ]
     path.write_text("\n".join(header) + markdown_table(result["rows"]) + "\n")
@@ -61,6 +63,8 @@ def write_plots(out: Path, suite: str, rows: list[dict[str, Any]]) -> list[Path]
     except ImportError:  # pragma: no cover - plotting is optional
         return []
     paths = []
+    if any("depth" in r for r in rows):
+        paths.append(_depth_plot(out, suite, rows, plt))
     for model in dict.fromkeys(r["model"] for r in rows):
         points = [
             r for r in rows if r["model"] == model and "memory_ratio" in r and "time_ratio" in r
@@ -95,10 +99,36 @@ def write_plots(out: Path, suite: str, rows: list[dict[str, Any]]) -> list[Path]
         ax.set_ylabel("step time / eager")
         ax.set_title(f"{suite}: {model}")
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
+        if remat_pts:
+            ax.legend(loc="upper right")
         path = out / f"{suite}-{model}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _depth_plot(out: Path, suite: str, rows: list[dict[str, Any]], plt: Any) -> Path:
+    """Peak activation memory against depth, one line per method (log–log)."""
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for method in dict.fromkeys(r["method"] for r in rows if "depth" in r):
+        pts = sorted(
+            (r["depth"], r["peak_bytes"])
+            for r in rows
+            if r["method"] == method and "peak_bytes" in r and "depth" in r
+        )
+        if pts:
+            ax.plot([d for d, _ in pts], [b / 2**30 for _, b in pts], "o-", label=method)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("layers")
+    ax.set_ylabel("peak activation memory (GiB)")
+    ax.set_title(f"{suite}: memory against depth")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    path = out / f"{suite}-depth.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
