@@ -93,3 +93,18 @@ def test_cli_help_lists_commands() -> None:
     text = build_parser().format_help()
     for command in ("plan", "demo"):
         assert command in text
+
+
+def test_plan_and_simulate_dispatch_on_graphs() -> None:
+    from remat.graphs import Graph, GraphPlan, simulate_graph
+    from remat.graphs.synthetic import residual_chain
+
+    graph = residual_chain(4)
+    assert isinstance(graph, Graph)
+    for method in ("reforward", "articulation"):
+        p = remat.plan(graph, method)
+        assert isinstance(p, GraphPlan)
+        assert simulate(graph, p).peak_bytes == simulate_graph(graph, p).peak_bytes
+        assert p.predicted_peak_bytes == simulate(graph, p).peak_bytes
+    with pytest.raises(TypeError, match="Chain or a Graph"):
+        remat.plan([1, 2, 3], "none")  # type: ignore[arg-type]

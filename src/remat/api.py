@@ -28,6 +28,12 @@ def plan(
     >>> p.method, p.predicted_peak_bytes is not None
     ('chen-sqrt', True)
     """
+    if not isinstance(chain, Chain):
+        from remat.graphs import Graph, plan_graph
+
+        if isinstance(chain, Graph):  # the graph planners: reforward, checkmate-milp, ...
+            return plan_graph(chain, method, budget)  # type: ignore[return-value]
+        raise TypeError(f"plan takes a Chain or a Graph, got {type(chain).__name__}")
     budget_bytes = None if budget is None else parse_bytes(budget)
     result = get_planner(method)(chain, budget_bytes).for_chain(chain)
     sim = simulate(chain, result)

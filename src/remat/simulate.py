@@ -90,7 +90,17 @@ class Simulation:
 
 
 def simulate(chain: Chain, plan: Plan) -> Simulation:
-    """Simulate one training step of ``chain`` under ``plan`` (see the module docstring)."""
+    """Simulate one training step of ``chain`` under ``plan`` (see the module docstring).
+
+    Given a :class:`remat.graphs.Graph` and a :class:`remat.graphs.GraphPlan` instead, it runs
+    :func:`remat.graphs.simulate_graph` (same idea on a DAG).
+    """
+    if not isinstance(chain, Chain):
+        from remat.graphs import Graph, simulate_graph
+
+        if isinstance(chain, Graph):
+            return simulate_graph(chain, plan)  # type: ignore[arg-type, return-value]
+        raise TypeError(f"simulate takes a Chain or a Graph, got {type(chain).__name__}")
     plan = plan.for_chain(chain)
     return _Simulator(chain).run(plan.segments)
 
