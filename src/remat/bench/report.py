@@ -28,6 +28,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             pred = format_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else ""
             grad = f"{r['max_grad_rel_diff']:.1e}" if "max_grad_rel_diff" in r else ""
             notes = r.get("error") or r.get("plan") or ""
+            if "time_vs_optimal" in r:
+                notes = (
+                    f"time vs optimal {r['time_vs_optimal']:.3f}, memory vs optimal "
+                    f"{r['memory_vs_optimal']:.3f}, planned in {r['plan_seconds']:.3f} s"
+                )
             notes = str(notes).replace("|", "/").replace("\n", " ")
             if len(notes) > 160:
                 notes = notes[:157] + "..."

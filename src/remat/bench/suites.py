@@ -345,12 +345,84 @@ def suite_chen2016(models: list[str], quick: bool, progress: Callable[[str], Non
     return rows
 
 
+def suite_planners(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+    """Planning time and plan quality of every planner against ``optimal-time`` (the optimum
+    over nested plans) on captured zoo chains: ``time_vs_optimal`` = the planner's simulated time
+    / optimal-time's at the same peak; ``memory_vs_optimal`` = its peak / the least peak at
+    which optimal-time is as fast."""
+    from remat.api import plan as make_plan
+    from remat.capture import capture_chain
+    from remat.planners import available
+    from remat.simulate import simulate
+
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        progress(f"{name}: capture")
+        entry = _zoo_entry(name, quick)
+        chain = capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
+        base = simulate(chain, make_plan(chain, "none"))
+        for method in available():
+            start = time.perf_counter()
+            p = make_plan(chain, method)
+            seconds = time.perf_counter() - start
+            sim = simulate(chain, p)
+            best = make_plan(chain, "optimal-time", sim.peak_bytes)
+            lo, hi = 0, sim.peak_bytes  # least budget where optimal-time is as fast
+            while hi - lo > max(1, hi // 1000):
+                mid = (lo + hi) // 2
+                try:
+                    q = make_plan(chain, "optimal-time", mid)
+                except ValueError:
+                    lo = mid
+                    continue
+                if (q.predicted_time or 0.0) <= sim.total_time:
+                    hi = q.predicted_peak_bytes or mid
+                else:
+                    lo = mid
+            rows.append(
+                {
+                    "model": name,
+                    "method": method,
+                    "stages": chain.n,
+                    "plan_seconds": seconds,
+                    "peak_bytes": sim.peak_bytes,
+                    "memory_ratio": sim.peak_bytes / base.peak_bytes,
+                    "time_ratio": sim.total_time / base.total_time,
+                    "time_vs_optimal": sim.total_time / (best.predicted_time or sim.total_time),
+                    "memory_vs_optimal": sim.peak_bytes / max(1, hi),
+                    "measured_by": "captured chain + simulate (no training step)",
+                }
+            )
+    return rows
+
+
+def _zoo_entry(name: str, quick: bool) -> Any:
+    from remat import zoo
+
+    small = {
+        "mlp-chain": {"batch_size": 256},
+        "resnet18": {"batch_size": 8},
+        "gpt2": {"batch_size": 4},
+        "lstm-seq": {"batch_size": 8},
+        "wrn-28-2": {"batch_size": 32},
+        "vgg11": {"batch_size": 4},
+    }
+    return zoo.get(name, **small.get(name, {}))
+
+
 SUITES: dict[str, Callable[[list[str], bool, Callable[[str], None]], list[dict]]] = {
     "peers": suite_peers,
     "budget": suite_budget,
     "chen2016": suite_chen2016,
+    "planners": suite_planners,
 }
 SUITE_NOTES = {
+    "planners": (
+        "Pure planning on captured chains (simulated memory and time, no training step): "
+        "time_vs_optimal = the planner's time / optimal-time's at the same peak (1.0 = "
+        "optimal); memory_vs_optimal = its peak / the least peak at which optimal-time is as "
+        "fast."
+    ),
     "chen2016": (
         "Memory here is the simulated activation peak of the captured chain (saved tensors, "
         "activation gradients, transients; parameters, gradients and optimizer state excluded), "
@@ -360,7 +432,12 @@ SUITE_NOTES = {
         "0.146) at about 30% extra time."
     ),
 }
-DEFAULT_MODELS = {"peers": list(PEER_MODELS), "budget": ["resnet50", "gpt2"], "chen2016": []}
+DEFAULT_MODELS = {
+    "peers": list(PEER_MODELS),
+    "budget": ["resnet50", "gpt2"],
+    "chen2016": [],
+    "planners": ["mlp-chain", "resnet18", "vgg11", "wrn-28-2", "gpt2", "lstm-seq"],
+}
 
 
 def _model_options(name: str, quick: bool) -> dict[str, Any]:
