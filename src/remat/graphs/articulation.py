@@ -66,7 +66,7 @@ class ArticulationError(ValueError):
 class ArticulationConfig:
     """Settings of the ``articulation`` planner."""
 
-    method: str | None = None
+    chain_method: str | None = None
     """The chain planner; default ``optimal-time``, else ``chen-sqrt`` when it is missing."""
     min_blocks: int = 2
     """Fewest blocks accepted (fewer raise :class:`ArticulationError`)."""
@@ -186,7 +186,7 @@ def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -
 
     config = ArticulationConfig(**options)
     chain, blocks = block_chain(graph, config.min_blocks)
-    method = config.method
+    method = config.chain_method
     if method is None:
         names = available()
         method = next((m for m in ("optimal-time", "chen-sqrt") if m in names), None)

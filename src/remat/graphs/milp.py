@@ -678,57 +678,71 @@ def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
 
 
 def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
+    """Checkmate's approximation: LP at a fraction of the budget, threshold rounding.
+
+    When no rounding fits, the LP is solved again at a tighter budget (x 0.85 each time, down
+    to 0.3 of the budget), as Checkmate tightens the LP budget to absorb rounding overshoot.
+    """
     model = _model(graph, config.encoding)
-    n = graph.n
-    sol = None
-    for fraction in (config.lp_budget_fraction, 1.0):
-        sol = model.solve(int(budget * fraction), integral=False, time_limit_s=config.time_limit_s)
-        if sol["x"] is not None:
-            break
-    if sol is None or sol["x"] is None:
-        minimum = simulate_graph(graph, GraphPlan.from_segments([range(n)])).peak_bytes
-        raise BudgetTooSmallError(
-            budget, minimum, "checkmate-lp", f"the LP relaxation is {sol and sol['status']}"
-        )
-    x = sol["x"]
-    mass, ends = model.fractions(x)
     rng = random.Random(config.seed)
+    fraction = config.lp_budget_fraction
+    tried = 0
+    lowest: int | None = None
+    while fraction >= 0.3:
+        sol = model.solve(int(budget * fraction), integral=False, time_limit_s=config.time_limit_s)
+        if sol["x"] is None:
+            break
+        tried += 1
+        best = None
+        candidates = _roundings(model, sol["x"], rng, config.random_roundings)
+        for plan in candidates:
+            sim = simulate_graph(graph, plan)
+            lowest = sim.peak_bytes if lowest is None else min(lowest, sim.peak_bytes)
+            if sim.peak_bytes <= budget and (best is None or sim.total_time < best[0]):
+                best = (sim.total_time, plan)
+        if best is not None:
+            bound = model.solve(budget, integral=False, time_limit_s=config.time_limit_s)
+            lp_time = bound.get("objective")
+            params = {
+                "status": sol["status"],
+                "lp_bound": lp_time,
+                "lp_gap": (best[0] - lp_time) / lp_time if lp_time else None,
+                "lp_budget_bytes": int(budget * fraction),
+                "lp_solves": tried,
+                "roundings": len(candidates),
+                "solve_seconds": round(sol["seconds"], 3),
+            }
+            return GraphPlan(best[1].segments, method="checkmate-lp", params=params)
+        fraction *= 0.85
+    if lowest is None:
+        lowest = simulate_graph(graph, GraphPlan.from_segments([range(graph.n)])).peak_bytes
+    raise BudgetTooSmallError(
+        budget,
+        max(lowest, budget + 1),
+        "checkmate-lp",
+        "no rounding of the LP fits (the least peak a rounding reached is given); "
+        "try checkmate-milp",
+    )
+
+
+def _roundings(model: _Model, x: Any, rng: random.Random, random_roundings: int) -> list[GraphPlan]:
+    """Threshold roundings of an LP solution: recompute the nodes whose LP recomputation is at
+    least the threshold; segments are their runs, cut where the LP ends a segment by at least
+    a second threshold (1.01: never cut; 0: every node alone)."""
+    n = model.n
+    mass, ends = model.fractions(x)
     thresholds = [k / 10 for k in range(1, 10)]
-    thresholds += [min(1.0, max(0.0, rng.gauss(0.5, 0.5))) for _ in range(config.random_roundings)]
+    thresholds += [min(1.0, max(0.0, rng.gauss(0.5, 0.5))) for _ in range(random_roundings)]
     candidates: dict[tuple[tuple[int, ...], ...], GraphPlan] = {}
     for theta in thresholds:
         chosen = [i for i in range(n) if mass[i] >= theta and mass[i] > 1e-9]
-        for split_at_ends in (False, True):
+        for cut in (1.01, 0.5, 0.25, 0.1, 0.01, 0.0):
             runs: list[list[int]] = []
             for i in chosen:
-                if runs and runs[-1][-1] == i - 1 and not (split_at_ends and ends[i - 1] >= 0.5):
+                if runs and runs[-1][-1] == i - 1 and not ends[i - 1] >= cut:
                     runs[-1].append(i)
                 else:
                     runs.append([i])
             key = tuple(tuple(r) for r in runs)
             candidates.setdefault(key, GraphPlan.from_segments(runs))
-    best = None
-    lowest = None
-    for plan in candidates.values():
-        sim = simulate_graph(graph, plan)
-        lowest = sim.peak_bytes if lowest is None else min(lowest, sim.peak_bytes)
-        if sim.peak_bytes <= budget and (best is None or sim.total_time < best[0]):
-            best = (sim.total_time, plan)
-    if best is None:
-        raise BudgetTooSmallError(
-            budget,
-            lowest or budget + 1,
-            "checkmate-lp",
-            "no rounding of the LP fits; try checkmate-milp",
-        )
-    bound = model.solve(budget, integral=False, time_limit_s=config.time_limit_s)
-    lp_time = bound.get("objective")
-    params = {
-        "status": sol["status"],
-        "lp_bound": lp_time,
-        "lp_gap": (best[0] - lp_time) / lp_time if lp_time else None,
-        "lp_budget_bytes": int(budget * config.lp_budget_fraction),
-        "roundings": len(candidates),
-        "solve_seconds": round(sol["seconds"], 3),
-    }
-    return GraphPlan(best[1].segments, method="checkmate-lp", params=params)
+    return list(candidates.values())

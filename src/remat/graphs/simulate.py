@@ -188,6 +188,11 @@ def run_schedule(graph: Graph, schedule: Sequence[ScheduleOp]) -> GraphSimulatio
                 what = _describe(graph, tensor)
                 if tensor in freed:
                     raise InfeasibleScheduleError(f"{where(i, op)} uses {what} after it was freed")
+                if tensor[0] == "grad":
+                    raise InfeasibleScheduleError(
+                        f"{where(i, op)} reads {what} before it is produced (the backward must "
+                        "follow the reverse of a topological order, after the loss)"
+                    )
                 raise InfeasibleScheduleError(
                     f"{where(i, op)} reads {what} before it is computed (is the order "
                     "topological, and is every segment input kept?)"

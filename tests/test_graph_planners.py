@@ -1,0 +1,371 @@
+"""Graph planners against brute force: reforward (Feng & Huang), checkmate-milp / -lp
+(Checkmate), articulation (chain planners over blocks), and the registry contract."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from remat import Chain, Plan, Segment, simulate
+from remat.graphs import (
+    Graph,
+    GraphPlan,
+    Node,
+    available_graph_planners,
+    plan_graph,
+    simulate_graph,
+)
+from remat.graphs.articulation import (
+    ArticulationError,
+    block_chain,
+    chain_plan_to_graph,
+    cut_points,
+)
+from remat.graphs.milp import MilpConfig
+from remat.graphs.reforward import DivisionTree, FengGraph, feng_cost
+from remat.graphs.synthetic import dense_block, inception_block, random_dag, residual_chain
+from remat.planners import BudgetTooSmallError, available
+
+SHAPES = {
+    "residual": residual_chain(1),
+    "residual2": residual_chain(2),
+    "dense": dense_block(3),
+    "inception": inception_block(3, 2),
+    "inception4": inception_block(4, 2),
+}
+
+# ---------------------------------------------------------------------------- reforward
+
+
+def independent_segments(feng: FengGraph, kept: set[int]) -> bool:
+    """Feng & Huang's plan space: every segment (connected piece of the non-kept vertices)
+    is entered from one vertex and left to one vertex."""
+    inner = {x for x in range(feng.size) if x not in kept and x not in (feng.s, feng.t)}
+    seen: set[int] = set()
+    for x in inner:
+        if x in seen:
+            continue
+        comp, stack = {x}, [x]
+        while stack:
+            y = stack.pop()
+            for z in feng.succ[y] + feng.pred[y]:
+                if z in inner and z not in comp:
+                    comp.add(z)
+                    stack.append(z)
+        seen |= comp
+        sources = {p for y in comp for p in feng.pred[y] if p not in comp}
+        targets = {q for y in comp for q in feng.succ[y] if q not in comp}
+        if len(sources) > 1 or len(targets) > 1:
+            return False
+    return True
+
+
+def subsets(graph: Graph) -> list[tuple[int, ...]]:
+    free = [v for v in range(graph.n) if v not in graph.sinks]
+    return [c for r in range(len(free) + 1) for c in itertools.combinations(free, r)]
+
+
+def feng_brute_force(graph: Graph) -> tuple[int, int]:
+    """(least Feng cost, least simulated peak) over Feng & Huang's checkpoint sets."""
+    feng = FengGraph(graph)
+    best_cost, best_peak = math.inf, math.inf
+    for kept in subsets(graph):
+        if independent_segments(feng, {v + 1 for v in kept}):
+            best_cost = min(best_cost, feng_cost(graph, kept))
+            peak = simulate_graph(graph, GraphPlan.from_checkpoints(graph, kept)).peak_bytes
+            best_peak = min(best_peak, peak)
+    return int(best_cost), int(best_peak)
+
+
+FENG_GRAPHS = [*SHAPES.items()] + [(f"dag{s}", random_dag(4 + s % 9, s)) for s in range(20)]
+
+
+@pytest.mark.parametrize("name,graph", FENG_GRAPHS, ids=[n for n, _ in FENG_GRAPHS])
+def test_reforward_is_optimal_in_feng_huang_model(name: str, graph: Graph) -> None:
+    best_cost, best_peak = feng_brute_force(graph)
+    plan = plan_graph(graph, "reforward")
+    assert plan.params["feng_optimum_bytes"] == best_cost
+    feng_plan = plan_graph(graph, "reforward", objective="feng")
+    assert feng_cost(graph, feng_plan.params["checkpoints"]) == best_cost
+    # the simulator's choice among break points is never worse than their argmin, and close
+    # to the best simulated peak of their whole plan space (measured worst: 1.18 on 154 DAGs)
+    assert plan.predicted_peak_bytes is not None and feng_plan.predicted_peak_bytes is not None
+    assert plan.predicted_peak_bytes <= feng_plan.predicted_peak_bytes
+    assert best_peak <= plan.predicted_peak_bytes <= 1.2 * best_peak
+    if name.startswith(("dense", "inception")):
+        assert plan.predicted_peak_bytes == best_peak
+
+
+def test_reforward_is_not_optimal_over_all_checkpoint_sets() -> None:
+    """Their optimality holds in their plan space only: here keeping b alone (whose segment
+    {a} then has two exits, b and t) beats every independent-segment set in their own model."""
+    g = Graph(
+        (
+            Node("a", (), 1, 2, 28, 28),
+            Node("b", (0,), 1, 2, 15, 16),
+            Node("c", (1,), 1, 2, 1, 1),
+            Node("t", (0, 2), 1, 2, 34, 48),
+        )
+    )
+    assert plan_graph(g, "reforward").params["feng_optimum_bytes"] == 44
+    assert min(feng_cost(g, kept) for kept in subsets(g)) == 43 == feng_cost(g, [1])
+
+
+def test_breakpoint_search_matches_every_candidate() -> None:
+    for seed in range(12):
+        tree = DivisionTree(FengGraph(random_dag(5 + seed, seed)))
+        naive = min(m + tree.solve_with_max(m)[0] for m in tree.max_terms())
+        full = tree.breakpoint_plans()
+        assert min(gc + m for gc, m, _ in full) == naive
+        assert tree.breakpoint_plans(limit=3)[0][:2] == full[0][:2]
+        gcs = [tree.solve_with_max(m)[0] for m in tree.max_terms()]
+        assert gcs == sorted(gcs, reverse=True)  # monotone: what the bisection relies on
+
+
+def test_reforward_budget() -> None:
+    g = residual_chain(3)
+    lowest = plan_graph(g, "reforward")
+    assert lowest.predicted_peak_bytes is not None
+    fits = plan_graph(g, "reforward", budget=lowest.predicted_peak_bytes)
+    assert fits.predicted_peak_bytes is not None
+    assert fits.predicted_peak_bytes <= lowest.predicted_peak_bytes
+    with pytest.raises(BudgetTooSmallError) as err:
+        plan_graph(g, "reforward", budget=lowest.predicted_peak_bytes - 1)
+    assert err.value.minimum_bytes == lowest.predicted_peak_bytes
+
+
+# ---------------------------------------------------------------------------- checkmate
+
+
+def run_plans(n: int) -> list[list[list[int]]]:
+    """Every flat plan whose segments are runs of consecutive nodes."""
+    out: list[list[list[int]]] = []
+
+    def rec(i: int, segs: list[list[int]], cur: list[int] | None) -> None:
+        closed = segs + ([cur] if cur else [])
+        if i == n:
+            out.append(closed)
+            return
+        rec(i + 1, closed, None)  # node i stored
+        rec(i + 1, closed, [i])  # node i starts a segment
+        if cur:
+            rec(i + 1, segs, [*cur, i])  # node i continues the segment
+
+    rec(0, [], None)
+    return out
+
+
+def brute_force_runs(graph: Graph) -> list[tuple[int, float]]:
+    rows = []
+    for segs in run_plans(graph.n):
+        sim = simulate_graph(graph, GraphPlan.from_segments(segs))
+        rows.append((sim.peak_bytes, sim.total_time))
+    return rows
+
+
+MILP_GRAPHS = [
+    ("residual", residual_chain(1)),
+    ("dense", dense_block(1)),
+    ("inception", inception_block(3, 1)),
+] + [(f"dag{s}", random_dag(3 + s % 5, s)) for s in range(9)]
+
+
+@pytest.mark.parametrize("name,graph", MILP_GRAPHS, ids=[n for n, _ in MILP_GRAPHS])
+def test_checkmate_milp_matches_brute_force(name: str, graph: Graph) -> None:
+    rows = brute_force_runs(graph)
+    low, high = min(p for p, _ in rows), max(p for p, _ in rows)
+    encodings = ("runs", "stages") if graph.n <= 6 else ("runs",)
+    for budget in sorted({low - 1, low, (low + high) // 2, low + (high - low) // 5, high}):
+        best = min((t for p, t in rows if p <= budget), default=None)
+        for encoding in encodings:
+            if best is None:
+                with pytest.raises(BudgetTooSmallError) as err:
+                    plan_graph(graph, "checkmate-milp", budget, encoding=encoding)
+                assert err.value.minimum_bytes == low
+                continue
+            plan = plan_graph(graph, "checkmate-milp", budget, encoding=encoding)
+            assert plan.predicted_time == pytest.approx(best)
+            assert plan.predicted_time == pytest.approx(plan.params["objective"])
+            assert plan.predicted_peak_bytes is not None
+            assert plan.predicted_peak_bytes <= plan.params["milp_peak_bytes"] <= budget
+            assert plan.params["status"] == "optimal" and plan.is_contiguous()
+
+
+@given(st.integers(2, 8), st.integers(0, 10_000), st.sampled_from([1.0, 0.7, 0.5, 0.35]))
+def test_checkmate_milp_on_chains_agrees_with_optimal_time(
+    n: int, seed: int, fraction: float
+) -> None:
+    if "optimal-time" not in available():
+        pytest.skip("chain planner 'optimal-time' is not registered in this build")
+    chain = Chain.random(n, seed=seed)
+    graph = Graph.from_chain(chain)
+    budget = int(simulate(chain, Plan.none(chain)).peak_bytes * fraction)
+    from remat import plan as plan_chain
+
+    try:
+        milp = plan_graph(graph, "checkmate-milp", budget)
+    except BudgetTooSmallError:
+        milp = None
+    try:
+        rotor = plan_chain(chain, "optimal-time", budget)
+    except BudgetTooSmallError:
+        assert milp is None, "optimal-time found nothing where a flat plan fits"
+        return
+    if milp is None:
+        assert rotor.depth() > 1  # only nested plans fit
+        return
+    assert milp.predicted_time is not None and rotor.predicted_time is not None
+    # the MILP's flat plan is a chain plan with the same costs
+    back = simulate(chain, milp.to_chain_plan(n))
+    assert (back.peak_bytes, back.total_time) == (milp.predicted_peak_bytes, milp.predicted_time)
+    # optimal-time searches nested plans too: it can only be faster, and ties on flat plans
+    assert rotor.predicted_time <= milp.predicted_time + 1e-9
+    if rotor.depth() <= 1:
+        assert milp.predicted_time == pytest.approx(rotor.predicted_time)
+
+
+def test_checkmate_lp_rounding() -> None:
+    g = residual_chain(3)
+    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    for fraction in (0.8, 0.6):
+        budget = int(top * fraction)
+        exact = plan_graph(g, "checkmate-milp", budget)
+        approx = plan_graph(g, "checkmate-lp", budget)
+        assert approx.predicted_peak_bytes is not None and approx.predicted_peak_bytes <= budget
+        assert exact.predicted_time is not None and approx.predicted_time is not None
+        assert approx.params["lp_bound"] <= exact.predicted_time + 1e-9
+        assert exact.predicted_time <= approx.predicted_time + 1e-9
+
+
+def test_checkmate_options_and_defaults() -> None:
+    g = residual_chain(2)
+    assert plan_graph(g, "checkmate-milp").segments == ()  # no budget: store everything
+    plan = plan_graph(g, "checkmate-milp", 120, time_limit_s=5.0, mip_rel_gap=0.5)
+    assert plan.params["status"] in ("optimal", "time_limit")
+    assert plan.params["mip_gap"] <= 0.5 and plan.params["time_limit_s"] == 5.0
+    with pytest.raises(ValueError, match="encoding"):
+        MilpConfig(encoding="dense")
+    with pytest.raises(TypeError):
+        plan_graph(g, "checkmate-milp", 120, budget_fraction=0.5)
+
+
+# ---------------------------------------------------------------------------- articulation
+
+
+def random_block_graph(seed: int) -> Graph:
+    """Random DAG blocks joined at single nodes (so the joins are cut points)."""
+    rng = random.Random(seed)
+    nodes: list[Node] = []
+    prev = None
+    for b in range(rng.randint(2, 5)):
+        block = random_dag(rng.randint(1, 5), rng.randint(0, 10**6))
+        off = len(nodes)
+        for node in block.nodes:
+            inputs = tuple(u + off for u in node.inputs) or ((prev,) if prev is not None else ())
+            saved = node.saved_inputs
+            saved = None if saved is None or not node.inputs else tuple(u + off for u in saved)
+            nodes.append(
+                Node(
+                    f"b{b}.{node.name}",
+                    inputs,
+                    node.fwd_time,
+                    node.bwd_time,
+                    node.out_bytes,
+                    node.saved_bytes,
+                    node.fwd_overhead_bytes,
+                    node.bwd_overhead_bytes,
+                    saved,
+                )
+            )
+        prev = len(nodes) - 1
+    return Graph(tuple(nodes), input_bytes=rng.randint(1, 40))
+
+
+def random_chain_plan(n: int, rng: random.Random) -> Plan:
+    def cover(lo: int, hi: int, depth: int) -> list[Segment]:
+        out, i = [], lo
+        while i <= hi:
+            j = rng.randint(i, hi)
+            children: tuple[Segment, ...] = ()
+            if rng.random() < 0.5:
+                if depth < 2 and j > i and rng.random() < 0.5:
+                    children = tuple(cover(i, j, depth + 1))
+                    if len(children) == 1 and children[0].checkpoint:
+                        children = ()
+                out.append(Segment(i, j, True, children))
+            else:
+                out.append(Segment(i, j))
+            i = j + 1
+        return out
+
+    return Plan(tuple(cover(1, n, 0)))
+
+
+def test_cut_points_definition() -> None:
+    for seed in range(20):
+        g = random_block_graph(seed)
+        expected = [v for v in range(g.n - 1) if not any(u < v < w for u, w in g.edges())]
+        assert cut_points(g) == expected
+
+
+@given(st.integers(0, 10**6))
+def test_block_chain_bounds_every_mapped_plan(seed: int) -> None:
+    graph = random_block_graph(seed)
+    chain, blocks = block_chain(graph)
+    assert sorted(v for b in blocks for v in b) == list(range(graph.n))
+    rng = random.Random(seed)
+    for _ in range(4):
+        plan = random_chain_plan(chain.n, rng)
+        on_chain = simulate(chain, plan)
+        on_graph = simulate_graph(graph, chain_plan_to_graph(plan, blocks))
+        assert on_graph.peak_bytes <= on_chain.peak_bytes
+        assert on_graph.total_time == pytest.approx(on_chain.total_time)
+
+
+def test_articulation_planner() -> None:
+    g = residual_chain(4)
+    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    for method in ("hong-dp", "every-stage", None):
+        if method is not None and method not in available():
+            continue
+        plan = plan_graph(g, "articulation", int(0.8 * top), chain_method=method)
+        assert plan.predicted_peak_bytes is not None
+        assert plan.predicted_peak_bytes <= 0.8 * top
+        assert plan.params["blocks"] == 9
+        assert plan.params["cut_points"] == cut_points(g)
+    with pytest.raises(BudgetTooSmallError, match="articulation"):
+        plan_graph(g, "articulation", 10, chain_method="every-stage")
+
+
+def test_articulation_errors() -> None:
+    with pytest.raises(ArticulationError, match=r"found 1 cut point\(s\).*'reforward'"):
+        block_chain(dense_block(3), min_blocks=3)  # only the stem is a cut point
+    two_outputs = random_dag(6, 1, single_sink=False)
+    if len(two_outputs.sinks) > 1:
+        with pytest.raises(ArticulationError, match="one output"):
+            plan_graph(two_outputs, "articulation")
+    with pytest.raises(ValueError, match="min_blocks"):
+        plan_graph(residual_chain(2), "articulation", min_blocks=1)
+
+
+# ---------------------------------------------------------------------------- all planners
+
+
+@pytest.mark.parametrize(
+    "method", ["none", "reforward", "checkmate-milp", "checkmate-lp", "articulation"]
+)
+def test_every_planner_returns_a_valid_plan(method: str) -> None:
+    g = residual_chain(3)
+    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    budget = int(0.75 * top) if method != "none" else None
+    plan = plan_graph(g, method, budget)
+    sim = simulate_graph(g, plan)  # the schedule checker raises on an invalid plan
+    assert sim.peak_bytes == plan.predicted_peak_bytes
+    assert budget is None or sim.peak_bytes <= budget
+    assert GraphPlan.from_json(plan.to_json()) == plan
+    assert method in available_graph_planners()
