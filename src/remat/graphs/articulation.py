@@ -192,7 +192,7 @@ def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -
         method = next((m for m in ("optimal-time", "chen-sqrt") if m in names), None)
         if method is None:
             raise ValueError(
-                "neither 'optimal-time' nor 'chen-sqrt' is registered; pass method=<one of "
+                "neither 'optimal-time' nor 'chen-sqrt' is registered; pass chain_method=<one of "
                 f"{', '.join(names)}>"
             )
 
