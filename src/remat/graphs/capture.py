@@ -49,9 +49,9 @@ Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     >>> graph = capture_graph(model, torch.randn(4, 8), level="module", fake=True)
-    >>> [node.name for node in graph.nodes]
-    ['0', '2', '<loss>/sum']
-    >>> graph.nodes[0].saved_bytes   # Linear's output; ReLU (in place? no: a new storage it saves) merged
+    >>> [node.name for node in graph.nodes]   # Linear 0 merged into the ReLU that reads it
+    ['1', '2', '<loss>/sum']
+    >>> graph.nodes[0].saved_bytes               # the ReLU's output, which its backward saves
     128
 
 Known limitations:
@@ -452,6 +452,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
         if module is model:
             st.inside += 1
             st.entered += 1
+            if st.entered > 1:
+                raise ValueError(_TWICE)
 
     def post_hook(module: nn.Module, args: Any, out: Any) -> None:
         if st.stack and st.stack[-1][0] is module:
@@ -484,10 +486,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             with _Recorder(st, tracker, counter):
                 loss = loss_fn(model, batch)
         if st.entered != 1:
-            raise ValueError(
-                f"loss_fn(model, batch) ran the model's forward {st.entered} times; capture_graph "
-                "needs exactly one forward per step"
-            )
+            raise ValueError(_TWICE)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         st.loss_key = _key(loss)
@@ -495,6 +494,12 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             _backward_costs(st, loss, tracker, counter)
         del loss
     return st
+
+
+_TWICE = (
+    "loss_fn(model, batch) must run the model's forward exactly once per step (capture_graph "
+    "traces one forward); call the model once and compute every loss term from its output"
+)
 
 
 def _backward_costs(st: _State, loss: torch.Tensor, tracker: Any, counter: Any) -> None:

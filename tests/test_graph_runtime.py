@@ -1,0 +1,229 @@
+"""apply_graph: equal gradients, BN once, RNG, recompute counts, memory vs simulate_graph."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from remat import zoo
+from remat.graphs import runtime
+from remat.graphs.capture import trace_graph
+from remat.graphs.plan import GraphPlan, GraphSegment
+from remat.graphs.planners import plan_graph
+from remat.graphs.runtime import GraphExecutionError, apply_graph
+from remat.graphs.simulate import simulate_graph
+from remat.profile import profile
+from remat.runtime import SignatureMismatchError
+
+MODELS = {
+    "resnet18": dict(image_size=32, batch_size=4),
+    "mobilenet_v2": dict(image_size=32, batch_size=4),
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, seq_len=32, batch_size=4),
+}
+
+
+def plans_for(graph) -> dict[str, GraphPlan]:
+    n = graph.n
+    third = n // 3
+    return {
+        "none": GraphPlan.none(),
+        "every-node": GraphPlan.from_segments([[v] for v in range(n)]),
+        "reforward": plan_graph(graph, "reforward"),
+        "nested": GraphPlan(
+            (
+                GraphSegment(
+                    tuple(range(1, 2 * third)),
+                    (
+                        GraphSegment(tuple(range(2, third))),
+                        GraphSegment(tuple(range(third + 1, 2 * third - 1))),
+                    ),
+                ),
+                GraphSegment(tuple(range(2 * third, n - 2))),
+            )
+        ),
+    }
+
+
+def step(model, entry, seed=1):
+    torch.manual_seed(seed)
+    loss = entry.loss_fn(model, entry.batch)
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_training_state(ref: nn.Module, model: nn.Module) -> None:
+    for (name, p0), (_, p1) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        if p0.grad is None:
+            assert p1.grad is None, name
+        else:
+            torch.testing.assert_close(p1.grad, p0.grad, rtol=0, atol=0, msg=name)
+    for (name, b0), (_, b1) in zip(ref.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(b0, b1), name
+
+
+@pytest.mark.parametrize("level", ["module", "op"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_statistics_and_rng_equal_the_unplanned_model(name, level):
+    """Bitwise: loss, every parameter gradient, BN running statistics (updated once), the
+    RNG state after the step (dropout masks identical: GPT-2 has dropout on)."""
+    entry = zoo.get(name, **MODELS[name])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level=level, fake=True).graph
+    ref = copy.deepcopy(entry.model)
+    loss0 = step(ref, entry)
+    rng0 = torch.get_rng_state()
+    for plan_name, plan in plans_for(graph).items():
+        model = copy.deepcopy(entry.model)
+        planned = apply_graph(model, plan, graph, entry.batch, entry.loss_fn)
+        loss = step(planned, entry)
+        assert torch.equal(loss, loss0), plan_name
+        assert torch.equal(torch.get_rng_state(), rng0), plan_name
+        assert_same_training_state(ref, model)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gpt2"])
+def test_recomputation_flops_equal_the_simulation(name):
+    """FlopCounterMode over a planned step (forward, recomputations, backward) counts exactly
+    the FLOPs simulate_graph predicts from the fake-captured graph (nested plans included)."""
+    entry = zoo.get(name, **MODELS[name])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True).graph
+    assert graph.time_unit == "flop"
+    for plan_name, plan in plans_for(graph).items():
+        planned = apply_graph(entry.model, plan, graph, entry.batch, entry.loss_fn)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            entry.loss_fn(planned, entry.batch).backward()
+        for p in entry.model.parameters():
+            p.grad = None
+        predicted = simulate_graph(graph, planned.executed_plan).total_time
+        assert counter.get_total_flops() == predicted, plan_name
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_measured_peak_is_within_10_percent_of_simulate(name):
+    """Exact activation peak of a step (MemTracker, parameter gradients excluded) against the
+    simulated peak of the executed plan. The simulator holds a stored node's output until the
+    node's own backward even when only its consumers save it, so it may over-estimate
+    (docs/graph-executor.md quantifies it); it must never under-estimate by more than the
+    executor's own small state (RNG stashes)."""
+    entry = zoo.get(name, **MODELS[name])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op").graph
+    plans = plans_for(graph)
+    for plan_name in ("none", "reforward", "nested"):
+        planned = apply_graph(entry.model, plans[plan_name], graph, entry.batch, entry.loss_fn)
+        measured = profile(planned, entry.batch, entry.loss_fn).activation_peak_bytes
+        simulated = simulate_graph(graph, planned.executed_plan).peak_bytes
+        assert 0.85 * simulated <= measured <= 1.03 * simulated, (plan_name, measured, simulated)
+        if name != "mobilenet_v2":  # the over-estimate above: 14 % on its reforward plan
+            assert measured >= 0.9 * simulated, (plan_name, measured, simulated)
+
+
+def test_segments_may_interleave_with_stored_nodes():
+    """A segment need not be contiguous in the execution order (ResNet's bn2 node runs
+    before and after the downsample branch): only the branch is stored here."""
+    entry = zoo.get("resnet18", **MODELS["resnet18"])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True).graph
+    add = graph.index("layer2.0.bn2/batch_norm")
+    down = graph.index("layer2.0.downsample.0/conv2d")
+    first = graph.index("layer2.0.conv1/conv2d")
+    segment = [v for v in range(first, add + 1) if v != down]
+    plan = GraphPlan.from_segments([segment])
+    ref = copy.deepcopy(entry.model)
+    step(ref, entry)
+    planned = apply_graph(entry.model, plan, graph, entry.batch, entry.loss_fn)
+    step(planned, entry)
+    assert_same_training_state(ref, entry.model)
+
+
+def test_loss_nodes_are_stored_and_the_executed_plan_says_so():
+    entry = zoo.get("resnet18", **MODELS["resnet18"])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="module", fake=True).graph
+    last = graph.n - 1  # the cross-entropy, computed by loss_fn outside the model
+    plan = GraphPlan.from_segments([[last - 2, last - 1, last]])
+    planned = apply_graph(entry.model, plan, graph, entry.batch, entry.loss_fn)
+    assert planned.executed_plan.segments == (GraphSegment((last - 2, last - 1)),)
+    assert (
+        apply_graph(entry.model, GraphPlan.none(), graph, entry.batch, entry.loss_fn).level
+        == "module"
+    )
+
+
+def test_autocast_bfloat16_gradients_equal():
+    entry = zoo.get("resnet18", **MODELS["resnet18"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True).graph
+        ref = copy.deepcopy(entry.model)
+        step(ref, entry)
+        planned = apply_graph(
+            entry.model, plan_graph(graph, "reforward"), graph, entry.batch, entry.loss_fn
+        )
+        step(planned, entry)
+    assert_same_training_state(ref, entry.model)
+
+
+def test_eval_no_grad_and_signature(monkeypatch):
+    entry = zoo.get("resnet18", **MODELS["resnet18"])
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True).graph
+    planned = apply_graph(
+        entry.model, plan_graph(graph, "reforward"), graph, entry.batch, entry.loss_fn
+    )
+    runs = []
+    monkeypatch.setattr(runtime._Run, "__enter__", lambda self: runs.append(self) or self)
+    images = entry.batch[0]
+    with torch.no_grad():
+        planned(images)
+    planned.eval()
+    planned(images)
+    assert runs == []
+    monkeypatch.undo()
+    planned.train()
+    planned(images)  # records the signature
+    with pytest.raises(SignatureMismatchError):
+        planned(images[:2])
+    assert planned.fc is entry.model.fc  # attributes fall through
+    assert planned.state_dict().keys() == {f"model.{k}" for k in entry.model.state_dict()}
+
+
+def test_lazy_trace_on_the_first_training_call():
+    """Without a batch, the first call is traced with the default loss (output.sum())."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    graph = trace_graph(model, x, level="op", fake=True).graph
+    ref = copy.deepcopy(model)
+    planned = apply_graph(model, GraphPlan.from_segments([[0, 1]]), graph)
+    torch.manual_seed(3)
+    planned(x).sum().backward()
+    torch.manual_seed(3)
+    ref(x).sum().backward()
+    assert_same_training_state(ref, model)
+
+
+def test_mismatched_graph_and_diverging_model_raise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    graph = trace_graph(model, x, level="op", fake=True).graph
+    other = trace_graph(model, torch.randn(4, 16), level="op", fake=True).graph
+    with pytest.raises(GraphExecutionError, match="does not match"):
+        apply_graph(model, GraphPlan.none(), other, x)
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            y = self.lin(x)
+            return torch.tanh(y) if self.calls > 2 else torch.relu(y)
+
+    flaky = Flaky()
+    graph = trace_graph(flaky, x, level="op", fake=True).graph
+    planned = apply_graph(flaky, GraphPlan.from_segments([[0, 1]]), graph, x)
+    with pytest.raises(GraphExecutionError, match="differently"):
+        planned(x)
