@@ -227,3 +227,41 @@ def test_mismatched_graph_and_diverging_model_raise():
     planned = apply_graph(flaky, GraphPlan.from_segments([[0, 1]]), graph, x)
     with pytest.raises(GraphExecutionError, match="differently"):
         planned(x)
+
+
+@pytest.mark.filterwarnings("ignore:Module is None")
+def test_bert_with_attention_mask():
+    """BERT reads its inputs in Python (padding checks): captured with real tensors; the
+    executor's fake trace falls back to a real one. Gradients equal, peak as simulated."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    model = transformers.BertForMaskedLM(config).train()
+    ids = torch.randint(0, 256, (4, 32))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    def loss_fn(m, b):
+        return m(**b).loss
+
+    with pytest.raises(ValueError, match="fake=False"):
+        trace_graph(model, batch, loss_fn, fake=True)
+    graph = trace_graph(model, batch, loss_fn, level="module").graph
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    loss_fn(ref, batch).backward()
+    planned = apply_graph(model, plan_graph(graph, "reforward"), graph, batch, loss_fn)
+    torch.manual_seed(1)
+    loss_fn(planned, batch).backward()
+    assert_same_training_state(ref, model)
+    for p in model.parameters():
+        p.grad = None
+    measured = profile(planned, batch, loss_fn).activation_peak_bytes
+    simulated = simulate_graph(graph, planned.executed_plan).peak_bytes
+    assert 0.9 * simulated <= measured <= 1.03 * simulated

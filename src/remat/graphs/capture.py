@@ -75,7 +75,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -83,6 +83,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
@@ -218,9 +219,21 @@ def trace_levels(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     loss_fn = loss_fn or default_loss_fn
     if fake:
-        with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            state = _record(model, fake_batch, loss_fn, costs, flops=True)
-            return {level: _build(state, level, "flop") for level in levels}
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
+        try:
+            with fake_step(model, batch) as (mode, fake_batch, _), mode:
+                state = _record(model, fake_batch, loss_fn, costs, flops=True)
+                return {level: _build(state, level, "flop") for level in levels}
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
+            raise ValueError(
+                "the model reads tensor values in Python (e.g. a Hugging Face BERT checks the "
+                "input ids for padding), which fake tensors cannot answer: capture it with "
+                "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
+            ) from err
     with _preserved(model):
         state = _record(model, batch, loss_fn, costs, flops=False)
         if costs:
@@ -248,8 +261,7 @@ class _Rec:
     random: bool = False
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
-    fwd_extra: int = 0
-    bwd_extra: int = 0
+    mem: tuple[int, int] = (-1, -1)  # tracker samples before and after the call
     times: list[float] = field(default_factory=list)
     bwd_times: list[float] = field(default_factory=list)
 
@@ -269,7 +281,10 @@ class _State:
     known: dict[int, int] = field(default_factory=dict)
     fixed: set[int] = field(default_factory=set)
     batch_keys: dict[int, int] = field(default_factory=dict)
-    hold: list[torch.Tensor] = field(default_factory=list)
+    serials: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    next_key: int = 0
+    backward: list[tuple[int, int, int]] = field(default_factory=list)  # (call, pre, post)
+    memory: _Memory | None = None
     grad_fns: dict[Any, int] = field(default_factory=dict)
     loss_key: int = -1
     real_saved: dict[int, int] = field(default_factory=dict)
@@ -292,8 +307,14 @@ class _State:
         return ("call", index)
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def _key(st: _State, t: torch.Tensor) -> int:
+    """A number for ``t``'s storage, unique over the whole step (addresses are reused)."""
+    storage = t.untyped_storage()
+    key = st.serials.get(storage)
+    if key is None:
+        st.next_key += 1
+        key = st.serials[storage] = st.next_key
+    return key
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -303,10 +324,9 @@ def _nbytes(t: torch.Tensor) -> int:
 class _Recorder(TorchFunctionMode):
     """Records every torch call: arguments' and outputs' storages, in-place writes, costs."""
 
-    def __init__(self, state: _State, tracker: StepTracker | None, flops: Any) -> None:
+    def __init__(self, state: _State, flops: Any) -> None:
         super().__init__()
         self.state = state
-        self.tracker = tracker
         self.flops = flops
 
     def __torch_function__(
@@ -318,9 +338,8 @@ class _Recorder(TorchFunctionMode):
         versions = [_version(t) for t in ins]
         index = len(st.calls)
         rec = _Rec(index, func, _op_name(func), st.scope(), st.group(index), st.inside > 0)
-        tracker = self.tracker
-        if tracker is not None:
-            tracker.reset_window()
+        memory = st.memory
+        before = memory.mark() if memory is not None else -1
         flops0 = _total_flops(self.flops)
         prev, st.current = st.current, rec
         try:
@@ -334,21 +353,19 @@ class _Recorder(TorchFunctionMode):
         st.calls.append(rec)
         rec.mutated = mutated
         rec.fwd_cost = _total_flops(self.flops) - flops0
-        if tracker is not None:
-            rec.fwd_extra = max(0, tracker.window_peak - tracker.activation_bytes())
+        if memory is not None:
+            rec.mem = (before, memory.mark())
         for t in ins:
-            key = _key(t)
+            key = _key(st, t)
             rec.in_keys.append(key)
             if key not in st.known:  # a tensor made outside any call (module attribute, ...)
                 st.known[key] = _nbytes(t)
-                st.hold.append(t)
         for t in outs:
-            key = _key(t)
+            key = _key(st, t)
             rec.out_keys.append(key)
             rec.new.append(key not in st.known)
             if key not in st.known:
                 st.known[key] = _nbytes(t)
-            st.hold.append(t)
         changed = outs + [ins[i] for i in mutated]
         rec.requires_grad = any(t.requires_grad for t in changed)
         if rec.requires_grad and torch.is_grad_enabled():
@@ -429,15 +446,15 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     st = _State(root=model, names=names)
     for t in (*model.parameters(), *model.buffers()):
-        st.fixed.add(_key(t))
-        st.known[_key(t)] = _nbytes(t)
+        st.fixed.add(_key(st, t))
+        st.known[_key(st, t)] = _nbytes(t)
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor):
-            st.batch_keys[_key(t)] = _nbytes(t)
-            st.known[_key(t)] = _nbytes(t)
+            st.batch_keys[_key(st, t)] = _nbytes(t)
+            st.known[_key(st, t)] = _nbytes(t)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _key(t)
+        key = _key(st, t)
         if key not in st.fixed and key not in st.batch_keys:
             st.real_saved[key] = _nbytes(t)
         if st.current is None:
@@ -465,6 +482,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
 
     counter = FlopCounterMode(display=False) if (costs and flops) else None
     tracker = StepTracker(timeline=False) if costs else None
+    st.memory = _Memory(tracker) if tracker is not None else None
     params = list(model.parameters())
     grads = {p: p.grad for p in params}
     for p in params:
@@ -483,15 +501,15 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             stack.enter_context(counter)
         stack.enter_context(_RandomWatch(st))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with _Recorder(st, tracker, counter):
+            with _Recorder(st, counter):
                 loss = loss_fn(model, batch)
         if st.entered != 1:
             raise ValueError(_TWICE)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
-        st.loss_key = _key(loss)
+        st.loss_key = _key(st, loss)
         if costs and loss.requires_grad:
-            _backward_costs(st, loss, tracker, counter)
+            _backward_costs(st, loss, counter)
         del loss
     return st
 
@@ -502,24 +520,22 @@ _TWICE = (
 )
 
 
-def _backward_costs(st: _State, loss: torch.Tensor, tracker: Any, counter: Any) -> None:
-    """Run the backward with hooks on every autograd function: FLOPs and transient bytes."""
+def _backward_costs(st: _State, loss: torch.Tensor, counter: Any) -> None:
+    """Run the backward with hooks on every autograd function: FLOPs and memory samples."""
     handles = []
     calls = st.calls
-    starts: dict[Any, float] = {}
+    memory = st.memory
+    starts: dict[Any, tuple[float, int]] = {}
 
     def make_hooks(fn: Any, index: int) -> None:
         def pre(grad_outputs: Any) -> None:
-            if tracker is not None:
-                tracker.reset_window()
-            starts[fn] = _total_flops(counter)
+            starts[fn] = (_total_flops(counter), memory.mark() if memory is not None else -1)
 
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
-            rec = calls[index]
-            rec.bwd_cost += _total_flops(counter) - starts.pop(fn, 0.0)
-            if tracker is not None:
-                extra = tracker.window_peak - tracker.activation_bytes()
-                rec.bwd_extra = max(rec.bwd_extra, extra)
+            flops, mark = starts.pop(fn, (0.0, -1))
+            calls[index].bwd_cost += _total_flops(counter) - flops
+            if memory is not None:
+                st.backward.append((index, mark, memory.mark()))
 
         handles.append(fn.register_prehook(pre))
         handles.append(fn.register_hook(post))
@@ -527,12 +543,30 @@ def _backward_costs(st: _State, loss: torch.Tensor, tracker: Any, counter: Any) 
     for fn, index in st.grad_fns.items():
         make_hooks(fn, index)
     try:
-        if tracker is not None:
-            tracker.set_phase("backward")
+        if memory is not None:
+            memory.tracker.set_phase("backward")
         loss.backward()
     finally:
         for h in handles:
             h.remove()
+
+
+class _Memory:
+    """Activation-side bytes sampled by a :class:`~remat.profile.StepTracker`, parameter
+    gradients excluded (they are re-tagged when accumulated, after the operation that made
+    them: the tracker corrects earlier samples)."""
+
+    def __init__(self, tracker: StepTracker) -> None:
+        self.tracker = tracker
+
+    def mark(self) -> int:
+        """Take a sample now; returns its index."""
+        self.tracker.reset_window()
+        return len(self.tracker._activation) - 1
+
+    def peak(self, first: int, last: int) -> int:
+        """Highest corrected sample in ``[first, last]``."""
+        return int(self.tracker._corrected_max(first, last + 1, phases_only=False))
 
 
 def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repeats: int) -> None:
@@ -814,8 +848,8 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
                 bwd_time=float(sum(calls[c].bwd_cost for c in mine)),
                 out_bytes=out_bytes,
                 saved_bytes=out_bytes + residual,
-                fwd_overhead_bytes=max((calls[c].fwd_extra for c in mine), default=0),
-                bwd_overhead_bytes=max((calls[c].bwd_extra for c in mine), default=0),
+                fwd_overhead_bytes=0,
+                bwd_overhead_bytes=0,
                 saved_inputs=tuple(saved_inputs),
             )
         )
@@ -825,6 +859,8 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
             "the traced step has no node with a gradient: does the loss depend on parameters "
             "or on inputs that require grad?"
         )
+    if st.memory is not None:
+        graph_nodes = _overheads(st, graph_nodes, call_node)
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(saved_constants.values())
     graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
@@ -854,3 +890,62 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         saved_constant_bytes=const_bytes,
         real_saved_bytes=sum(st.real_saved.values()),
     )
+
+
+def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[Node]:
+    """Transient bytes per node, in the simulator's terms (docs/cost-model.md).
+
+    Forward: walking the node's calls, ``grown`` is what they hold so far (frees between two
+    of its calls counted when no other node ran in between); the node's peak is the highest
+    ``grown`` plus the excess of one call's peak over its start. The simulator allocates
+    ``saved_bytes`` at once, so the overhead is that peak minus ``saved_bytes``. Backward: the
+    same walk over the node's autograd functions in the order the engine ran them, minus the
+    input gradients the simulator allocates at the node's backward (the inputs whose last
+    reader, in node order, is this node).
+    """
+    memory = st.memory
+    assert memory is not None
+    value = memory.peak
+    n = len(nodes)
+    fwd_peak = [0] * n
+    grown = [0] * n
+    last_end: list[int | None] = [None] * n
+    owner_of_last = None
+    for rec in st.calls:
+        v = call_node[rec.index]
+        if v is None or rec.mem[0] < 0:
+            continue
+        start, end = rec.mem
+        if last_end[v] is not None and owner_of_last == v:
+            grown[v] += value(start, start) - value(last_end[v], last_end[v])
+        fwd_peak[v] = max(fwd_peak[v], grown[v] + value(start, end) - value(start, start))
+        grown[v] += value(end, end) - value(start, start)
+        last_end[v], owner_of_last = end, v
+    bwd_peak = [0] * n
+    grown = [0] * n
+    last_end = [None] * n
+    owner_of_last = None
+    for index, pre, post in st.backward:
+        v = call_node[index]
+        if v is None or pre < 0:
+            continue
+        if last_end[v] is not None and owner_of_last == v:
+            grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
+        bwd_peak[v] = max(bwd_peak[v], grown[v] + value(pre, post) - value(pre, pre))
+        grown[v] += value(post, post) - value(pre, pre)
+        last_end[v], owner_of_last = post, v
+    last_reader = [-1] * n
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            last_reader[u] = max(last_reader[u], v)
+    out = []
+    for v, node in enumerate(nodes):
+        new_grads = sum(nodes[u].out_bytes for u in node.inputs if last_reader[u] == v)
+        out.append(
+            replace(
+                node,
+                fwd_overhead_bytes=max(0, fwd_peak[v] - node.saved_bytes),
+                bwd_overhead_bytes=max(0, bwd_peak[v] - new_grads),
+            )
+        )
+    return out
