@@ -76,6 +76,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
 
 
 def _grads(module: torch.nn.Module, work: Workload, ctx: Callable[[], Any]) -> dict[str, Any]:
+    torch.manual_seed(1234)  # the same dropout masks for every method
     module.zero_grad(set_to_none=True)
     with ctx():
         loss = work.loss_fn(module, work.batch)
