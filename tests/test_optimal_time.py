@@ -15,6 +15,7 @@ from nested_plans import brute_force, min_time_within, nested_plans
 import remat.planners.optimal_time as optimal_time
 from remat import BudgetTooSmallError, Chain, Plan, available, simulate
 from remat import plan as make_plan
+from remat.planners import get_planner
 from remat.planners.optimal_time import min_feasible_peak, predicted_cost, solve, sweep
 
 
@@ -189,5 +190,24 @@ def test_long_chain_with_megabytes_fits_and_beats_baselines() -> None:
     budgets = [sim.peak_bytes for sim in sims]
     for sim, plan in zip(sims, sweep(chain, budgets), strict=True):
         assert plan is not None and plan.params["memory_unit_bytes"] > 1
+        _check_fits(chain, plan, sim.peak_bytes)
+        assert simulate(chain, plan).total_time <= sim.total_time + 1e-12
+
+
+@pytest.mark.parametrize(
+    "chain", [Chain.random(12, seed=4), _realistic(40, seed=5)], ids=["random-12", "megabytes-40"]
+)
+def test_never_slower_than_any_registered_planner_at_its_peak(chain: Chain) -> None:
+    others = []
+    for name in available():
+        if name != "optimal-time":
+            try:
+                others.append(get_planner(name)(chain, None))
+            except BudgetTooSmallError:  # a planner with no default plan
+                continue
+    sims = [simulate(chain, other) for other in others]
+    budgets = [sim.peak_bytes for sim in sims]
+    for sim, plan in zip(sims, sweep(chain, budgets), strict=True):
+        assert plan is not None
         _check_fits(chain, plan, sim.peak_bytes)
         assert simulate(chain, plan).total_time <= sim.total_time + 1e-12

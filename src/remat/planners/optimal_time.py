@@ -127,9 +127,18 @@ def sweep(chain: Chain, budgets: Iterable[int | None]) -> list[Plan | None]:
     floor = model.input + int(model.min_peak()[1, model.N])
     store_all = Plan.none(chain).segments
     store_all_peak = model.input + model.plan_peak(store_all)
-    searched = [b for b in budgets if b is not None and floor <= b < store_all_peak]
-    table = _TimeTable(model, max(searched) - model.input) if searched else None
-    search = _Search(model, table) if table is not None else None
+    # One table serves budgets down to half its own (its cells are budget / GRID_CELLS bytes);
+    # what the search proves is kept across tables.
+    known: dict[tuple[int, int], _Known] = {}
+    searches: dict[int, _Search] = {}
+    search: _Search | None = None
+    for budget in sorted({b for b in budgets if b is not None}, reverse=True):
+        if floor <= budget < store_all_peak:
+            top = budget - model.input
+            if search is None or 2 * top < search.table.top:
+                search = _Search(model, _TimeTable(model, top), known)
+                search.largest_budget = budget
+            searches[budget] = search
     plans: list[Plan | None] = []
     for budget in budgets:
         if budget is None:
@@ -140,13 +149,18 @@ def sweep(chain: Chain, budgets: Iterable[int | None]) -> list[Plan | None]:
         elif budget >= store_all_peak:  # no recomputation at all: nothing is faster
             plans.append(model.finish(store_all, budget, {"proven_optimal": True}))
         else:
-            assert search is not None and table is not None
+            search = searches[budget]
             segments, lower = search.plan(budget - model.input)
             proven = lower >= model.plan_time(segments) - model.tol
-            params: dict[str, object] = {"memory_unit_bytes": table.q, "proven_optimal": proven}
+            params: dict[str, object] = {
+                "memory_unit_bytes": search.table.q,
+                "proven_optimal": proven,
+            }
             if not proven:
                 params["time_lower_bound"] = lower
-                segments = model.fastest_fitting([segments, *model.references()], budget)
+                rounded_up = search.rounded_up_plan(budget)
+                candidates = [segments, *([rounded_up] if rounded_up else []), *model.references()]
+                segments = model.fastest_fitting(candidates, budget)
             plans.append(model.finish(segments, budget, params))
     return plans
 
@@ -403,12 +417,18 @@ class _TimeTable:
     contiguous, so the checkpoint case of each ``(s, t)`` is one add and one min over a block.
     """
 
-    def __init__(self, model: _Model, top_bytes: int) -> None:
+    def __init__(self, model: _Model, top_bytes: int, exact: bool = False) -> None:
         self.model = model
+        self.top = top_bytes
         N = model.N
         pairs = N * (N + 1) // 2
-        exact = top_bytes + 1 <= GRID_CELLS or (
-            (top_bytes + 1) * N**3 // 6 <= _TABLE_WORK and (top_bytes + 1) * pairs <= _TABLE_ENTRIES
+        exact = (
+            exact
+            or top_bytes + 1 <= GRID_CELLS
+            or (
+                (top_bytes + 1) * N**3 // 6 <= _TABLE_WORK
+                and (top_bytes + 1) * pairs <= _TABLE_ENTRIES
+            )
         )
         self.q = q = 1 if exact else -(-top_bytes // (GRID_CELLS - 1))
         self.cells = top_bytes // q + 1
@@ -566,12 +586,17 @@ class _Search:
     (the least time never increases with memory). Both are kept across the budgets of a sweep.
     """
 
-    def __init__(self, model: _Model, table: _TimeTable) -> None:
+    def __init__(
+        self, model: _Model, table: _TimeTable, known: dict[tuple[int, int], _Known]
+    ) -> None:
         self.model = model
         self.table = table
-        self.known: dict[tuple[int, int], _Known] = {}
+        self.known = known
         self.least_peak = model.min_peak()
         self.nodes = 0
+        self.largest_budget = 0
+        """The largest budget this search serves (sizes the rounded-up table)."""
+        self._rounded_up: _Search | None = None
         self._checkpoint_cache: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
 
     def plan(self, top: int) -> tuple[list[Segment], float]:
@@ -594,6 +619,38 @@ class _Search:
         assert node is not None
         return _node_segments(md, node), min(lower, node[1])
 
+    def rounded_up_plan(self, budget: int) -> list[Segment] | None:
+        """The optimal plan of the chain with every size rounded *up* to whole cells of
+        ``q`` bytes, within ``budget // q`` cells: it truly fits ``budget`` (each sum of sizes
+        is at most ``q`` times its rounded sum). A second opinion when the proof stopped short:
+        the optimum with a little less memory, where the greedy descent can go astray."""
+        q = self.table.q
+        if self._rounded_up is None:
+            chain = self.model.chain
+
+            def up(values: Sequence[int]) -> list[int]:
+                return [-(-v // q) for v in values]
+
+            rounded = _Model(
+                Chain(
+                    fwd_time=chain.fwd_time,
+                    bwd_time=chain.bwd_time,
+                    out_bytes=up(chain.out_bytes),
+                    saved_bytes=up(chain.saved_bytes),
+                    input_bytes=-(-chain.input_bytes // q),
+                    fwd_overhead_bytes=up(chain.fwd_overhead_bytes),
+                    bwd_overhead_bytes=up(chain.bwd_overhead_bytes),
+                )
+            )
+            top = self.largest_budget // q - rounded.input
+            if top < rounded.min_peak()[1, rounded.N]:
+                return None
+            self._rounded_up = _Search(rounded, _TimeTable(rounded, top, exact=True), {})
+        top = budget // q - self._rounded_up.model.input
+        if top < self._rounded_up.least_peak[1, self._rounded_up.model.N]:
+            return None
+        return self._rounded_up.plan(top)[0]
+
     def lower(self, s: int, t: int, m: int) -> float:
         if m < self.least_peak[s, t]:
             return np.inf
@@ -607,8 +664,9 @@ class _Search:
         """``(time, plan)``: the least time of ``s..t`` within ``m`` bytes and a plan with it,
         if that time is below ``bound``; otherwise ``(a value >= bound, None)``.
 
-        ``greedy``: no proof, follow the best lower bound at each step. Every choice it tries
-        passes the exact least-peak checks, so it always ends with a plan that fits.
+        ``greedy``: no proof, follow the best lower bound at each step (keeping a known plan
+        if that is faster). Every choice it tries passes the exact least-peak checks, so it
+        always ends with a plan that fits.
         """
         if m < self.least_peak[s, t]:
             return np.inf, None
@@ -617,7 +675,7 @@ class _Search:
         best_node = known.best_plan(m)
         best = np.inf if best_node is None else best_node[1]
         low = max(self.table.lower(s, t, m), known.lower(m))
-        if best_node is not None and (greedy or low >= best - tol):
+        if best_node is not None and low >= best - tol:  # proven optimal at m
             return (best, best_node) if best < bound else (best, None)
         if low >= bound:
             return low, None
@@ -635,7 +693,8 @@ class _Search:
                 if s == t:
                     node = (md.store_need(s, t), float(here), 0, None, None)
                 else:
-                    rest, rest_node = self.solve(s + 1, t, m - int(md.sv[s]), best - here, greedy)
+                    rest_bound = np.inf if greedy else best - here
+                    rest, rest_node = self.solve(s + 1, t, m - int(md.sv[s]), rest_bound, greedy)
                     if rest_node is None:
                         continue
                     here += rest
@@ -645,10 +704,12 @@ class _Search:
                 recompute = md.cumf[j - 1] - md.cumf[s - 1]
                 inner_low = self.lower(s, j - 1, m)
                 rest_m = m - int(md.a[j - 1])
-                rest, rest_node = self.solve(j, t, rest_m, best - recompute - inner_low, greedy)
+                rest_bound = np.inf if greedy else best - recompute - inner_low
+                rest, rest_node = self.solve(j, t, rest_m, rest_bound, greedy)
                 if rest_node is None or recompute + rest + inner_low >= best - tol:
                     continue
-                inner, inner_node = self.solve(s, j - 1, m, best - recompute - rest, greedy)
+                inner_bound = np.inf if greedy else best - recompute - rest
+                inner, inner_node = self.solve(s, j - 1, m, inner_bound, greedy)
                 if inner_node is None:
                     continue
                 here = recompute + rest + inner
