@@ -28,10 +28,11 @@ table of ``GRID_CELLS`` cells of ``q`` bytes with every size rounded *down*: a r
 each entry is a lower bound on the exact least time. The plan itself is then found by a search
 in exact bytes (every size, every peak condition exact, so every returned plan truly fits):
 first a greedy descent that follows the best lower bound, then branch and bound that proves
-optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the best plan found is
-returned with ``plan.params["proven_optimal"] = False`` and the table's lower bound on the
-time in ``plan.params["time_lower_bound"]``; it is also never slower than a set of reference
-plans (every stage, the least-peak plan, the flat plans of 1..n equal segments) that fit.
+optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the planner returns the
+fastest of the best plan found, the exact optimum of the chain with sizes rounded *up* to whole
+cells (it truly fits), and reference plans (every stage, the least-peak plan, flat plans of
+equal segments), with ``plan.params["proven_optimal"] = False`` and a lower bound on the time
+in ``plan.params["time_lower_bound"]``.
 
 Example:
     >>> from remat import Chain, simulate
@@ -46,8 +47,8 @@ Example:
     70
 
 Known limitations:
-    * Cost ``O(n^3 * cells)`` time and ``O(n^2 * cells)`` memory: about 80 MB and a few seconds
-      at n = 200 (docs/optimal-time.md has measurements).
+    * Cost ``O(n^3 * cells)`` time and ``O(n^2 * cells)`` memory: about 40 MB and 2-3.5 CPU
+      seconds at n = 200 (docs/optimal-time.md has measurements).
     * On long chains with large byte counts the search may stop before its proof (see above);
       the gap to the lower bound was below 3 % in our measurements at n = 200.
     * Only plans that nested non-reentrant checkpoints execute (segment trees). Schedules
@@ -441,9 +442,6 @@ class _TimeTable:
         self.opt = np.full((pairs, self.cells), np.inf, dtype=self.dtype)
         self.flat = self.opt.reshape(-1)
         self._fill()
-
-    def row(self, s: int, t: int) -> int:
-        return int(self.offset[s] + t - s)
 
     def lower(self, s: int, t: int, m: int) -> float:
         """A lower bound on the least time of ``s..t`` within ``m`` exact bytes."""
