@@ -97,15 +97,39 @@ def pareto(
     result: dict[str, list[ParetoPoint]] = {}
     for method in methods:
         points = [pt for pt in floor_points if pt.method == method]
-        for b in budgets:
-            try:
-                p = plan(chain, method, b)
-            except BudgetTooSmallError:
-                continue
-            points.append(
-                ParetoPoint(method, b, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
-            )
+        for b, p in zip(budgets, _plans_for_budgets(chain, method, budgets), strict=True):
+            if p is not None:
+                points.append(
+                    ParetoPoint(method, b, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
+                )
         result[method] = _frontier(points)
+    return result
+
+
+def _plans_for_budgets(chain: Chain, method: str, budgets: list[int]) -> list[Plan | None]:
+    """One plan per budget (None where it does not fit); optimal-time shares one DP table."""
+    if method == "optimal-time":
+        from remat.planners.optimal_time import sweep
+
+        plans = sweep(chain, budgets)
+        return [
+            None
+            if p is None
+            else replace(
+                p,
+                method=method,
+                predicted_peak_bytes=simulate(chain, p).peak_bytes,
+                predicted_time=simulate(chain, p).total_time,
+                chain_fingerprint=chain.fingerprint,
+            )
+            for p in plans
+        ]
+    result: list[Plan | None] = []
+    for b in budgets:
+        try:
+            result.append(plan(chain, method, b))
+        except BudgetTooSmallError:
+            result.append(None)
     return result
 
 
