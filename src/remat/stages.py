@@ -318,6 +318,19 @@ def _hf_bind(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
     return bound
 
 
+def _empty_cache(config: Any) -> Any:
+    """An empty KV cache, for the causal-mask decision only (the layers get no cache).
+
+    The models themselves build their mask with a (fresh) ``DynamicCache``; with one, sdpa and
+    flash attention get no explicit mask and use ``is_causal`` instead. Without it
+    ``create_causal_mask`` returns an explicit B x 1 x T x T mask that every layer would save
+    for its backward (4·B·T² bytes per layer): more memory than the model itself uses.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 class _HFStage(nn.Module):
     """Base of the HF stage modules: references the model's submodules, owns nothing."""
 
@@ -391,7 +404,7 @@ class _GPT2Embedding(_HFStage):
             input_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache_position=cache_position,
-            past_key_values=None,
+            past_key_values=_empty_cache(self.config),
             position_ids=position_ids,
         )
         if token_type_ids is not None:
@@ -512,7 +525,7 @@ class _LlamaEmbedding(_HFStage):
             input_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache_position=cache_position,
-            past_key_values=None,
+            past_key_values=_empty_cache(self.config),
             position_ids=position_ids,
         )
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)
