@@ -337,6 +337,7 @@ class _Recipe:
     spec: Any  # pytree spec of (args, kwargs)
     leaves: list[Any]  # leaves with tensors replaced by _Ref
     mutated: frozenset[int]  # leaf positions written in place (or batch-norm statistics)
+    buffers: frozenset[int]  # those that are running-statistics buffers
     rng: tuple[torch.Tensor, list[torch.Tensor]] | None
     autocast: tuple[Any, ...] | None
 
@@ -422,11 +423,15 @@ class _Frame:
         with torch.random.fork_rng(devices=devices, enabled=rng), torch.enable_grad():
             for i, r in enumerate(recipes):
                 leaves = []
+                originals: dict[int, torch.Tensor] = {}
                 for pos, leaf in enumerate(r.leaves):
                     if isinstance(leaf, _Ref):
                         t = values[leaf.key]
                         if pos in r.mutated and leaf.key in inputs:
-                            t = t.clone()  # never write a kept input (batch-norm statistics)
+                            copy = t.clone()  # never write a kept input (batch-norm statistics)
+                            if pos in r.buffers:
+                                originals[id(copy)] = t
+                            t = copy
                         leaves.append(t)
                     else:
                         leaves.append(leaf)
@@ -436,7 +441,7 @@ class _Frame:
                     torch.set_rng_state(r.rng[0])
                     for device, state in zip(devices, r.rng[1], strict=False):
                         torch.cuda.set_rng_state(state, device)
-                hooks = self._collect(r.k, counts) if r.k in self.own else _DISCARD
+                hooks = self._collect(r.k, counts, originals) if r.k in self.own else _DISCARD
                 with hooks, _autocast(r.autocast):
                     out = r.func(*args, **kwargs)
                 del args, kwargs
@@ -463,10 +468,15 @@ class _Frame:
             self.kept.clear()
         self.inputs = None
 
-    def _collect(self, k: int, counts: dict[int, int]) -> torch.autograd.graph.saved_tensors_hooks:
+    def _collect(
+        self, k: int, counts: dict[int, int], originals: dict[int, torch.Tensor]
+    ) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(x: torch.Tensor) -> torch.Tensor:
             n = counts.get(k, 0)
             counts[k] = n + 1
+            # batch norm saves its running statistics: the buffer itself, as in the forward,
+            # not the throw-away copy the replay updated (no memory for the copies)
+            x = originals.get(id(x), x)
             x = x.detach() if x.requires_grad else x
             ref = self.holders.get((k, n))
             holder = ref() if ref is not None else None
@@ -607,6 +617,7 @@ class _Run(TorchFunctionMode):
         leaves, tree = tree_flatten((args, kwargs))
         recorded: list[Any] = []
         copies: list[int] = []  # positions to replay on a throw-away copy
+        buffers: list[int] = []  # ... that are running statistics
         tensor_pos = 0
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
@@ -615,6 +626,8 @@ class _Run(TorchFunctionMode):
             mutated = tensor_pos in spec.mutated
             if mutated or id(leaf) in self.program.copy_ids:
                 copies.append(len(recorded))
+                if id(leaf) in self.program.copy_ids:
+                    buffers.append(len(recorded))
             tensor_pos += 1
             vid = self.vids.get(leaf)
             inside = (
@@ -652,7 +665,16 @@ class _Run(TorchFunctionMode):
             frame.calls.add(k)
         inner.own.add(k)
         top.recipes.append(
-            _Recipe(k, func, tree, recorded, frozenset(copies), rng, _autocast_state())
+            _Recipe(
+                k,
+                func,
+                tree,
+                recorded,
+                frozenset(copies),
+                frozenset(buffers),
+                rng,
+                _autocast_state(),
+            )
         )
         self.k += 1
         return out
