@@ -1,0 +1,1145 @@
+"""Fit a training step into a memory budget: ``setup = remat.fit(model, batch, budget="512MiB")``.
+
+Sohoni et al. 2019 ("Low-Memory Neural Network Training") cut training memory with four
+levers, alone and combined: recomputation (checkpointing), low precision, microbatching and
+sparsity. :func:`fit` searches their combinations for the one that fits a budget at the least
+predicted step time:
+
+* **precision** (``precisions=("fp32", "bf16")``): autocast compute in bf16 or fp16, fp32
+  master weights kept (what ``torch.autocast`` does: parameters, gradients and optimizer state
+  stay fp32; each matmul/conv casts its weight to a 16-bit copy that autograd saves for
+  backward, counted in the stage's saved bytes);
+* **microbatch count** k (default: every divisor of the batch size): k forward/backward passes
+  of N/k examples with gradients equal to the full batch's (:mod:`remat.levers.microbatch`);
+* **plan**: for each (precision, k) the time-optimal remat plan (``optimal-time``, Beaumont et
+  al. 2019) under the activation memory left by the rest;
+* **sparsity** (``sparsity=density``, optional): applied, not searched. Masked weights are dense
+  tensors in PyTorch, so masks *add* one byte per element and a search would never choose them;
+  the summary reports what CSR storage of those weights would take (NOTE [ Masks save no
+  memory ] in :mod:`remat.levers.sparsity`).
+
+How a combination is predicted (NOTE [ What fit predicts ]):
+
+* the chain is captured **at the microbatch shape** (activation bytes are not quite linear in
+  the batch: autocast's weight copies and parameter-gradient transients are not), fp32 by a
+  real capture (exact bytes, measured seconds), 16-bit by a capture under ``FakeTensorMode``
+  inside autocast (exact bytes, nothing computed) whose stage times are the fp32 times times a
+  **precision factor** measured once per precision (one interleaved fwd+bwd at the smallest
+  microbatch tried) or given (``precision_factors={"bf16": 0.5}``). On a CPU without bf16
+  matrix instructions the factor is large (about 9x for a WideResNet on the 2-core EPYC
+  this was written on), so bf16 is chosen there only when nothing in fp32 fits;
+* predicted peak = persistent state (parameters, buffers, optimizer state measured on fake
+  tensors, sparsity masks) + the batch + parameter gradients + the plan's simulated activation
+  peak. With one microbatch and an optimizer the gradients appear as the backward reaches
+  them (:func:`remat.auto.total_peak_bytes`); from the second microbatch on (and in a step
+  without an optimizer, where gradients persist) all of them are live. The optimizer step's own
+  transients (Adam's ``sqrt``/division temporaries, measured on fake tensors) bound it too;
+* predicted time = simulated plan time (forward, recomputation, backward) times k.
+
+The chosen setup is then **measured** (``measure=True``): one whole :meth:`FitSetup.step` under
+:func:`remat.measure.step_peak_bytes` (the allocator's own events, so workspace that is not a
+tensor counts too), after one warm-up step, on a snapshot of the model and optimizer that is
+restored afterwards. If the measured peak exceeds the budget, the search runs again with the
+missed bytes reserved (up to three times), so the returned setup's measured peak fits.
+
+Example:
+    >>> import torch, remat
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256),
+    ...                               torch.nn.GELU()) for _ in range(16)])
+    >>> batch = torch.randn(512, 256)
+    >>> setup = remat.fit(model, batch, budget="24MiB", precisions=("fp32",))  # doctest: +SKIP
+    >>> print(setup)                           # doctest: +SKIP
+    >>> setup.step(batch, torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
+
+Known limitations:
+    * Compressed saved activations (``Precision(saved=...)``) are not searched: the chain model
+      cannot express tensors that are compressed when kept but recomputed in full precision.
+      :meth:`FitSetup.step` runs them if you build a setup with :func:`make_setup`.
+    * Batch norm under microbatching normalises each microbatch by its own statistics:
+      gradients then differ from the full batch's (NOTE [ Batch norm under microbatching ]).
+    * A loss averaged over something other than examples (tokens with ``-100`` labels) needs
+      ``count=`` for exact microbatch gradients.
+    * The optimizer's transient bytes are measured with its for-loop implementation (fake
+      tensors do not take the ``foreach`` path): on CUDA the measurement closes the gap.
+    * Every search candidate costs one capture: real for fp32, fake for 16-bit; the time of a
+      16-bit stage is scaled from fp32 by one factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from remat.costs import Chain
+from remat.planners import BudgetTooSmallError
+from remat.plans import Plan
+from remat.units import format_bytes, format_time, parse_bytes
+
+__all__ = [
+    "fit",
+    "make_setup",
+    "FitSetup",
+    "FitCandidate",
+    "FitBudgetError",
+    "PRECISIONS",
+]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+#: The precision names :func:`fit` searches: autocast compute dtype (None = full precision).
+PRECISIONS: dict[str, str | None] = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
+
+_METHOD = "optimal-time"
+#: Examples in the microbatch on which a 16-bit precision's time factor is measured.
+_FACTOR_EXAMPLES = 16
+_MAX_REMEASURE = 3
+
+
+# ---------------------------------------------------------------------- records
+class FitBudgetError(BudgetTooSmallError):
+    """No combination of levers fits the budget; ``minimum_bytes`` is the smallest predicted
+    peak any combination reaches (a budget of that many bytes fits)."""
+
+    def __init__(self, budget_bytes: int, minimum_bytes: int, where: str, detail: str = "") -> None:
+        ValueError.__init__(
+            self,
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the smallest "
+            f"peak any combination of plans, precision and microbatching reaches: "
+            f"{format_bytes(minimum_bytes)} ({minimum_bytes} B), with {where}. Raise the budget "
+            f"to at least {minimum_bytes} B, or add levers (more microbatches, bf16, a smaller "
+            "optimizer)" + (f"; {detail}" if detail else ""),
+        )
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        self.method = _METHOD
+
+
+@dataclass(frozen=True)
+class FitCandidate:
+    """One combination the search evaluated."""
+
+    precision: str
+    """Precision name (``"fp32"``, ``"bf16"``, ``"fp16"``)."""
+    microbatches: int
+    """Number of microbatches k."""
+    microbatch_size: int
+    """Examples in the largest microbatch (the shape the chain was captured at)."""
+    plan: Plan | None
+    """The fastest plan that fits the budget, or None when none does."""
+    predicted_peak_bytes: int | None
+    """Predicted peak of the whole step under ``plan`` (None when nothing fits)."""
+    predicted_time: float | None
+    """Predicted step time, seconds: simulated plan time times k (None when nothing fits)."""
+    min_peak_bytes: int
+    """The smallest predicted peak this combination reaches (its least-memory plan)."""
+    unplanned_peak_bytes: int
+    """Predicted peak storing every activation (no recomputation)."""
+    chain: Chain = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+    """The chain captured for this combination (microbatch shape, this precision)."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether some plan of this combination fits the budget."""
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
+class _StepState:
+    """What a setup's steps need beyond the records (not compared, not printed)."""
+
+    base_model: nn.Module
+    loss_fn: LossFn
+    reduction: str
+    count: Callable[[Any], Any] | None
+    device_type: str
+    masks: Any
+    scaler: Any
+    planned_state_bytes: int
+    microbatch_size: int
+    seen_optimizers: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, eq=False)
+class FitSetup:
+    """A model planned to fit a memory budget, and how to train it: :meth:`step`.
+
+    ``print(setup)`` gives a readable summary; :meth:`to_dict` the same as JSON-ready data.
+    """
+
+    model: nn.Module
+    """The planned module (:class:`remat.runtime.PlannedModule`; shares the model's
+    parameters). Call :meth:`step` to train it within the budget."""
+    plan: Plan
+    """The remat plan, made for the microbatch shape."""
+    precision: Any
+    """The :class:`remat.levers.Precision` of the step (autocast compute dtype)."""
+    precision_name: str
+    """``"fp32"``, ``"bf16"`` or ``"fp16"``."""
+    microbatches: int
+    """Number of microbatches per step."""
+    microbatch_size: int
+    """Examples in the largest microbatch."""
+    batch_size: int
+    """Examples per step."""
+    chain: Chain
+    """The chain the plan was made for (microbatch shape, this precision)."""
+    budget_bytes: int
+    """The budget asked for (the whole step's peak)."""
+    predicted_peak_bytes: int
+    """Predicted peak of one whole step."""
+    predicted_time: float
+    """Predicted step time, seconds (simulated plan time times the microbatches)."""
+    measured_peak_bytes: int | None
+    """Peak of one whole :meth:`step`, measured (None when ``measure=False``)."""
+    persistent_bytes: int
+    """Parameters, buffers, optimizer state and sparsity masks."""
+    optimizer_state_bytes: int
+    """Of those, the optimizer state."""
+    gradient_bytes: int
+    """Parameter gradients."""
+    batch_bytes: int
+    """The batch (held for the whole step)."""
+    activation_peak_bytes: int
+    """The plan's simulated activation peak (microbatch input included)."""
+    reserve_bytes: int = 0
+    """Bytes the search held back after a measurement exceeded its prediction."""
+    precision_factors: tuple[tuple[str, float], ...] = ()
+    """``(precision, step-time factor against fp32)`` used for the 16-bit candidates."""
+    candidates: tuple[FitCandidate, ...] = ()
+    """Every combination evaluated, in search order."""
+    search_seconds: float = 0.0
+    """Wall time of the search (captures and planning)."""
+    sparsity: float | None = None
+    """Weight density applied (None: dense)."""
+    sparse_weight_bytes: tuple[int, int] | None = None
+    """``(dense bytes, CSR bytes with int32 indices)`` of the masked weights."""
+    _state: _StepState | None = field(default=None, repr=False, compare=False)
+
+    # -------------------------------------------------------------- training
+    def step(self, batch: Any, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """One whole training step within the budget: every microbatch's forward and backward
+        (gradients accumulate to the full batch's), then ``optimizer.step()`` and
+        ``zero_grad(set_to_none=True)`` if an optimizer is given. Returns the full-batch loss.
+
+        Without an optimizer the gradients stay in ``.grad`` (as after ``loss.backward()``).
+        A batch smaller than the one fitted runs under the same plan; a larger one is refused.
+        """
+        from remat.levers.microbatch import MicroBatcher
+
+        state = self._require_state()
+        if optimizer is not None:
+            self._prepare_optimizer(optimizer)
+        exclude = tuple(_tensors(batch))
+        precision = self.precision
+
+        def context() -> contextlib.AbstractContextManager[Any]:
+            return _forward_context(precision, state.device_type, state.base_model, exclude)
+
+        batcher = MicroBatcher(
+            min(self.microbatches, _batch_size(batch)),
+            state.loss_fn,
+            reduction=state.reduction,
+            count=state.count,
+            forward_context=context,
+            scaler=state.scaler,
+        )
+        return batcher(self.model, batch, optimizer)
+
+    # -------------------------------------------------------------- reporting
+    def __str__(self) -> str:
+        lines = [
+            f"remat.fit: budget {format_bytes(self.budget_bytes)} -> {self.describe_levers()}",
+            f"  predicted peak {format_bytes(self.predicted_peak_bytes)}"
+            + (
+                f", measured {format_bytes(self.measured_peak_bytes)}"
+                if self.measured_peak_bytes is not None
+                else ", not measured"
+            )
+            + f" ({self.predicted_peak_bytes} / {self.measured_peak_bytes} B)",
+            f"    persistent (parameters, buffers, optimizer {format_bytes(self.optimizer_state_bytes)}"
+            f"{', masks' if self.sparsity is not None else ''}): "
+            f"{format_bytes(self.persistent_bytes)}; gradients {format_bytes(self.gradient_bytes)}; "
+            f"batch {format_bytes(self.batch_bytes)}; activations "
+            f"{format_bytes(self.activation_peak_bytes)} per microbatch",
+            f"  predicted step time {format_time(self.predicted_time)}",
+            f"  plan: {_short(self.plan.describe(), 90)}",
+        ]
+        if self.sparse_weight_bytes is not None:
+            dense, csr = self.sparse_weight_bytes
+            lines.append(
+                f"  sparsity: density {self.sparsity:g}; masked weights {format_bytes(dense)} "
+                f"dense, {format_bytes(csr)} in CSR (int32 indices) - dense PyTorch saves none "
+                "of it"
+            )
+        if self.reserve_bytes:
+            lines.append(
+                f"  reserved {format_bytes(self.reserve_bytes)} that a first measurement "
+                "showed the prediction missed"
+            )
+        fitting = sum(c.fits for c in self.candidates)
+        factors = ", ".join(f"{p} x{f:.2f}" for p, f in self.precision_factors)
+        lines.append(
+            f"  searched {len(self.candidates)} combinations ({fitting} fit) in "
+            f"{self.search_seconds:.1f} s"
+            + (f"; time factors vs fp32: {factors}" if factors else "")
+        )
+        return "\n".join(lines)
+
+    def describe_levers(self) -> str:
+        """One line: precision, microbatches, plan, sparsity."""
+        checkpoints = sum(1 for s in self.plan.walk() if s.checkpoint)
+        parts = [
+            self.precision_name + ("" if self.precision_name == "fp32" else " autocast"),
+            f"{self.microbatches} microbatch{'es' if self.microbatches > 1 else ''} of "
+            f"{self.microbatch_size}",
+            "no recomputation"
+            if checkpoints == 0
+            else f"{checkpoints} checkpointed segment{'s' if checkpoints > 1 else ''}",
+        ]
+        if self.sparsity is not None:
+            parts.append(f"density {self.sparsity:g}")
+        return ", ".join(parts)
+
+    def table(self) -> str:
+        """Every evaluated combination: predicted peak, least reachable peak, predicted time."""
+        rows = [
+            f"{'precision':<9} {'k':>4} {'mb':>5} {'least peak':>12} {'store-all':>12} "
+            f"{'fits':>4} {'peak':>12} {'time':>10}"
+        ]
+        for c in self.candidates:
+            rows.append(
+                f"{c.precision:<9} {c.microbatches:>4} {c.microbatch_size:>5} "
+                f"{format_bytes(c.min_peak_bytes):>12} {format_bytes(c.unplanned_peak_bytes):>12} "
+                f"{'yes' if c.fits else 'no':>4} "
+                f"{format_bytes(c.predicted_peak_bytes) if c.fits else '-':>12} "
+                f"{format_time(c.predicted_time) if c.predicted_time is not None else '-':>10}"
+            )
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (bytes as ints, seconds as floats)."""
+        return {
+            "schema": "remat.fit",
+            "version": 1,
+            "budget_bytes": self.budget_bytes,
+            "precision": self.precision_name,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "batch_size": self.batch_size,
+            "sparsity": self.sparsity,
+            "plan": self.plan.describe(),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "predicted_time": self.predicted_time,
+            "persistent_bytes": self.persistent_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "batch_bytes": self.batch_bytes,
+            "activation_peak_bytes": self.activation_peak_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "precision_factors": dict(self.precision_factors),
+            "sparse_weight_bytes": list(self.sparse_weight_bytes)
+            if self.sparse_weight_bytes
+            else None,
+            "search_seconds": self.search_seconds,
+            "candidates": [
+                {
+                    "precision": c.precision,
+                    "microbatches": c.microbatches,
+                    "microbatch_size": c.microbatch_size,
+                    "fits": c.fits,
+                    "predicted_peak_bytes": c.predicted_peak_bytes,
+                    "predicted_time": c.predicted_time,
+                    "min_peak_bytes": c.min_peak_bytes,
+                    "unplanned_peak_bytes": c.unplanned_peak_bytes,
+                    "plan": c.plan.describe() if c.plan is not None else None,
+                }
+                for c in self.candidates
+            ],
+        }
+
+    # -------------------------------------------------------------- implementation
+    def _require_state(self) -> _StepState:
+        if self._state is None:
+            raise RuntimeError("this FitSetup was rebuilt from data and cannot run steps")
+        return self._state
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        state = self._require_state()
+        if id(optimizer) in state.seen_optimizers:
+            return
+        state.seen_optimizers.add(id(optimizer))
+        if state.masks is not None:
+            state.masks.attach(optimizer, mask_gradients=False)
+        needed, _ = _optimizer_costs(state.base_model, optimizer)
+        if needed > state.planned_state_bytes:
+            warnings.warn(
+                f"remat.fit planned for {format_bytes(state.planned_state_bytes)} of optimizer "
+                f"state, but this {type(optimizer).__name__} keeps {format_bytes(needed)}: the "
+                "step may exceed the budget by the difference. Pass optimizer= to remat.fit.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+# ---------------------------------------------------------------------- entry points
+def fit(
+    model: nn.Module,
+    batch: Any,
+    budget: int | str,
+    loss_fn: LossFn | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    precisions: Sequence[str] = ("fp32", "bf16"),
+    microbatches: Sequence[int] | None = None,
+    sparsity: float | None = None,
+    stages: Sequence[str] | None = None,
+    reduction: str | None = None,
+    count: Callable[[Any], Any] | None = None,
+    precision_factors: Mapping[str, float] | None = None,
+    measure: bool = True,
+    repeats: int = 1,
+    progress: bool = True,
+) -> FitSetup:
+    """Find the fastest combination of plan, precision and microbatching whose training step
+    fits ``budget`` (the whole step's peak: parameters, gradients, optimizer state, batch and
+    activations), apply it, and return a :class:`FitSetup` (module docstring).
+
+    Args:
+        model: the model (plain ``nn.Module``, not yet planned or wrapped in DDP/FSDP).
+        batch: one training batch (its size is the step's batch size).
+        budget: bytes, or a string like ``"512MiB"``.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default :func:`remat.profile.default_loss_fn`.
+        optimizer: the optimizer the steps will use: its state and its step's temporaries are
+            part of the budget. Without it the steps keep gradients and nothing else.
+        precisions: precision names to search (:data:`PRECISIONS`), in order of preference.
+        microbatches: microbatch counts to search (default: every divisor of the batch size,
+            ascending; larger counts are skipped once storing every activation fits).
+        sparsity: weight density to apply with magnitude pruning (masks kept through training);
+            not searched (it saves nothing in dense PyTorch).
+        stages: stage boundaries for models that are not cut automatically.
+        reduction: ``"mean"`` or ``"sum"``: how the loss reduces over examples (microbatch
+            weights). Default: ``"mean"`` with a ``loss_fn``; without one, ``"mean"`` when the
+            model returns a ``.loss`` and ``"sum"`` when the default loss sums the output.
+        count: ``count(microbatch)`` items a mean loss averages over (see ``MicroBatcher``).
+        precision_factors: step-time factor of each 16-bit precision against fp32; default:
+            measured once.
+        measure: measure one whole step of the chosen setup (and re-plan if it exceeds).
+        repeats: timed runs per stage in each fp32 capture.
+        progress: show a progress bar.
+
+    Raises:
+        FitBudgetError: no combination fits; it names the smallest budget one reaches.
+    """
+    from remat.distributed import check_not_wrapped
+    from remat.runtime import PlannedModule
+
+    if isinstance(model, PlannedModule):
+        raise TypeError("remat.fit plans the model itself: pass planned.model, not a planned one")
+    check_not_wrapped(model, "remat.fit")
+    budget_bytes = parse_bytes(budget)
+    names = _precision_names(precisions)
+    n = _batch_size(batch)
+    counts = _microbatch_counts(n, microbatches)
+    started = time.perf_counter()
+    masks = _prune(model, sparsity)
+    search = _Search(
+        model=model,
+        batch=batch,
+        loss_fn=loss_fn or _default_loss(),
+        optimizer=optimizer,
+        stages=stages,
+        repeats=repeats,
+        precision_factors=dict(precision_factors or {}),
+        masks=masks,
+    )
+    reserve = 0
+    setup: FitSetup | None = None
+    for attempt in range(_MAX_REMEASURE + 1):
+        candidates = search.run(
+            names, counts, budget_bytes - reserve, microbatches is None, progress
+        )
+        chosen = _choose(candidates)
+        if chosen is None:
+            best = min(candidates, key=lambda c: c.min_peak_bytes)
+            detail = (
+                f"{format_bytes(reserve)} of it held back for what a measurement showed the "
+                "prediction misses"
+                if reserve
+                else ""
+            )
+            raise FitBudgetError(
+                budget_bytes,
+                best.min_peak_bytes + reserve,
+                f"{best.precision}, {best.microbatches} microbatch(es) of {best.microbatch_size} "
+                "and the least-memory plan",
+                detail,
+            )
+        setup = search.build(chosen, budget_bytes, reserve, candidates, loss_fn, reduction, count)
+        if not measure:
+            break
+        measured = _measure_step(setup, batch, optimizer)
+        setup = replace(setup, measured_peak_bytes=measured)
+        if measured <= budget_bytes or attempt == _MAX_REMEASURE:
+            break
+        # what the prediction missed (workspace that is not a tensor, allocator details)
+        reserve = max(reserve + 1, measured - setup.predicted_peak_bytes)
+    assert setup is not None
+    setup = replace(setup, search_seconds=time.perf_counter() - started)
+    if setup.measured_peak_bytes is not None and setup.measured_peak_bytes > budget_bytes:
+        warnings.warn(
+            f"the chosen setup's measured peak {format_bytes(setup.measured_peak_bytes)} "
+            f"exceeds the budget {format_bytes(budget_bytes)} after {_MAX_REMEASURE} re-plans",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return setup
+
+
+def make_setup(
+    model: nn.Module,
+    batch: Any,
+    plan: Plan,
+    precision: Any = None,
+    microbatches: int = 1,
+    loss_fn: LossFn | None = None,
+    *,
+    reduction: str = "mean",
+    count: Callable[[Any], Any] | None = None,
+    stages: Sequence[str] | None = None,
+) -> FitSetup:
+    """A :class:`FitSetup` for a combination you choose (no search, no prediction): ``plan``
+    made for the microbatch shape, any :class:`remat.levers.Precision` (compressed saved
+    activations included), ``microbatches`` per step. The prediction fields are zero."""
+    from remat.levers import Precision, make_grad_scaler
+    from remat.runtime import apply
+
+    precision = precision if precision is not None else Precision()
+    if not isinstance(precision, Precision):
+        precision = Precision(compute=PRECISIONS[_precision_names([precision])[0]])
+    n = _batch_size(batch)
+    example = _example_microbatch(batch, microbatches)
+    size = _batch_size(example)
+    device_type = _device_type(model)
+    planned = apply(model, plan, stages=stages, example=example, replan=_same_plan(plan, size))
+    state = _StepState(
+        base_model=model,
+        loss_fn=loss_fn or _default_loss(),
+        reduction=reduction,
+        count=count,
+        device_type=device_type,
+        masks=None,
+        scaler=make_grad_scaler(precision, device_type) if precision.scales_loss else None,
+        planned_state_bytes=1 << 62,
+        microbatch_size=size,
+    )
+    name = next((k for k, v in PRECISIONS.items() if v == precision.compute), "fp32")
+    if precision.saved is not None:
+        name += f"+saved-{precision.saved}"
+    return FitSetup(
+        model=planned,
+        plan=plan,
+        precision=precision,
+        precision_name=name,
+        microbatches=microbatches,
+        microbatch_size=size,
+        batch_size=n,
+        chain=Chain(fwd_time=[0.0], bwd_time=[0.0], out_bytes=[0], saved_bytes=[0]),
+        budget_bytes=0,
+        predicted_peak_bytes=0,
+        predicted_time=0.0,
+        measured_peak_bytes=None,
+        persistent_bytes=0,
+        optimizer_state_bytes=0,
+        gradient_bytes=0,
+        batch_bytes=_storage_bytes(_tensors(batch)),
+        activation_peak_bytes=0,
+        _state=state,
+    )
+
+
+# ---------------------------------------------------------------------- the search
+class _Search:
+    """Captures chains on demand (cached per precision and microbatch count) and evaluates
+    combinations against a budget."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        stages: Sequence[str] | None,
+        repeats: int,
+        precision_factors: dict[str, float],
+        masks: Any,
+    ) -> None:
+        from remat.auto import stage_grad_bytes
+        from remat.stages import split_stages
+
+        self.model = model
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.stage_names = stages
+        self.repeats = repeats
+        self.factors = precision_factors
+        self.masks = masks
+        self.device_type = _device_type(model)
+        self.n = _batch_size(batch)
+        self.batch_bytes = _storage_bytes(_tensors(batch))
+        self.stages = split_stages(model, stages)
+        self.grad_bytes = stage_grad_bytes(self.stages)
+        self.optimizer_state_bytes, self.optimizer_step_bytes = _optimizer_costs(model, optimizer)
+        self.rng_state_bytes = _rng_state_bytes(self.device_type)
+        self.mask_bytes = masks.mask_bytes() if masks is not None else 0
+        self.persistent_bytes = (
+            _storage_bytes([*model.parameters(), *model.buffers()])
+            + self.optimizer_state_bytes
+            + self.mask_bytes
+        )
+        self.counts: list[int] = [1]
+        self._chains: dict[tuple[str, int], Chain] = {}
+        self._examples: dict[int, Any] = {}
+
+    # -------------------------------------------------------------- evaluation
+    def run(
+        self,
+        names: Sequence[str],
+        counts: Sequence[int],
+        budget: int,
+        stop_early: bool,
+        progress: bool,
+    ) -> list[FitCandidate]:
+        from tqdm.auto import tqdm
+
+        self.counts = list(counts)
+        found: list[FitCandidate] = []
+        total = len(names) * len(counts)
+        with tqdm(total=total, desc="remat fit", unit="combination", disable=not progress) as bar:
+            for name in names:
+                for j, k in enumerate(counts):
+                    bar.set_postfix_str(f"{name}, {k} microbatch(es)")
+                    candidate = self.evaluate(name, k, budget)
+                    found.append(candidate)
+                    bar.update(1)
+                    if stop_early and candidate.unplanned_peak_bytes <= budget:
+                        bar.update(len(counts) - j - 1)  # more microbatches only add passes
+                        break
+        return found
+
+    def evaluate(self, name: str, k: int, budget: int) -> FitCandidate:
+        """The fastest plan of this combination under ``budget`` and its least peak."""
+        from remat.simulate import simulate
+
+        chain = self.chain(name, k)
+        size = _batch_size(self.example(k))
+        persistent = self.persistent_bytes + self.batch_bytes - self._example_bytes(k)
+        grads = self.grad_bytes
+        total_grads = sum(grads)
+        all_live = k > 1 or self.optimizer is None
+        optimizer_phase = self.persistent_bytes + total_grads + self.batch_bytes
+        optimizer_phase += self.optimizer_step_bytes
+
+        def peak(p: Plan) -> int:
+            step = self._step_peak(chain, p, persistent, all_live)
+            return max(optimizer_phase, step + self._checkpoint_bytes(p))
+
+        # the least-activation plan, or storing everything when the executor's own bytes per
+        # checkpoint (RNG states) outweigh the activations it saves (tiny microbatches)
+        store_all = Plan.none(chain)
+        least = min((_least_memory_plan(chain), store_all), key=peak)
+        least_peak = peak(least)
+        chosen: Plan | None = None
+        if least_peak <= budget:
+            # activation budgets between "every gradient and checkpoint overhead live at the
+            # activation peak" (safe) and "none of them" (the most any plan can use)
+            hi = budget - persistent - (total_grads if all_live else 0)
+            lo = budget - persistent - total_grads - self._checkpoint_bytes(Plan.every_stage(chain))
+            lo -= max(grads, default=0) if all_live else 0
+            chosen = _largest_fitting(chain, budget, lo, hi, peak) or least
+        predicted = time_s = None
+        if chosen is not None:
+            predicted = peak(chosen)
+            assert predicted <= budget, (predicted, budget)
+            time_s = simulate(chain, chosen).total_time * k
+        return FitCandidate(
+            precision=name,
+            microbatches=k,
+            microbatch_size=size,
+            plan=chosen,
+            predicted_peak_bytes=predicted,
+            predicted_time=time_s,
+            min_peak_bytes=least_peak,
+            unplanned_peak_bytes=peak(store_all),
+            chain=chain,
+        )
+
+    def _step_peak(self, chain: Chain, p: Plan, persistent: int, all_live: bool) -> int:
+        """NOTE [ Gradients that accumulate ]: when ``.grad`` already holds every parameter's
+        gradient (the second microbatch on; a step without an optimizer), a stage's backward
+        still makes its new gradients as temporaries before adding them in place, so during
+        stage i's backward up to ``grad_bytes[i]`` more bytes are live."""
+        from remat.auto import total_peak_bytes
+        from remat.simulate import simulate
+
+        if not all_live:
+            return total_peak_bytes(chain, p, persistent, self.grad_bytes)
+        grads = self.grad_bytes
+        top = max(
+            e.peak_bytes + (grads[e.stage - 1] if e.op == "B" else 0)
+            for e in simulate(chain, p).timeline
+        )
+        return persistent + sum(grads) + top
+
+    def _checkpoint_bytes(self, p: Plan) -> int:
+        """What the executor keeps per checkpointed segment beyond the chain's tensors: the
+        RNG state saved to replay dropout (CPU generator state, plus each CUDA device's).
+        Counted for every checkpointed segment (an upper bound: nested ones only exist while
+        their parent recomputes)."""
+        segments = sum(1 for s in p.walk() if s.checkpoint)
+        return segments * self.rng_state_bytes
+
+    # -------------------------------------------------------------- chains
+    def example(self, k: int) -> Any:
+        if k not in self._examples:
+            self._examples[k] = _example_microbatch(self.batch, k)
+        return self._examples[k]
+
+    def _example_bytes(self, k: int) -> int:
+        return _storage_bytes(_tensors(self.example(k)))
+
+    def chain(self, name: str, k: int) -> Chain:
+        key = (name, k)
+        if key not in self._chains:
+            self._chains[key] = self._capture(name, k)
+        return self._chains[key]
+
+    def _capture(self, name: str, k: int) -> Chain:
+        from remat.capture import capture
+
+        example = self.example(k)
+        if name == "fp32":
+            return capture(
+                self.model, example, self.loss_fn, self.stage_names, repeats=self.repeats
+            ).chain
+        reference = self.chain("fp32", k)
+        factor = self.factor(name)
+        with _autocast(name, self.device_type):
+            measured = capture(self.model, example, self.loss_fn, self.stage_names, fake=True).chain
+        return replace(
+            measured,
+            fwd_time=tuple(t * factor for t in reference.fwd_time),
+            bwd_time=tuple(t * factor for t in reference.bwd_time),
+            time_unit="s",
+        )
+
+    def factor(self, name: str) -> float:
+        """Step time of ``name`` against fp32, measured once on a microbatch of about
+        :data:`_FACTOR_EXAMPLES` examples (small enough to be cheap, large enough that the
+        arithmetic, not the per-operation overhead, dominates)."""
+        if name not in self.factors:
+            k = max(k for k in self.counts if -(-self.n // k) >= min(self.n, _FACTOR_EXAMPLES))
+            self.factors[name] = _measure_factor(
+                self.model, self.example(k), self.loss_fn, name, self.device_type
+            )
+        return self.factors[name]
+
+    # -------------------------------------------------------------- the setup
+    def build(
+        self,
+        chosen: FitCandidate,
+        budget: int,
+        reserve: int,
+        candidates: Sequence[FitCandidate],
+        user_loss: LossFn | None,
+        reduction: str | None,
+        count: Callable[[Any], Any] | None,
+    ) -> FitSetup:
+        from remat.levers import Precision, make_grad_scaler
+        from remat.levers.sparsity import predicted_sparse_bytes
+        from remat.runtime import apply
+        from remat.simulate import simulate
+
+        assert chosen.plan is not None and chosen.predicted_peak_bytes is not None
+        assert chosen.predicted_time is not None
+        k = chosen.microbatches
+        example = self.example(k)
+        precision = Precision(compute=PRECISIONS[chosen.precision])
+        if reduction is None:
+            reduction = "mean" if user_loss is not None or k == 1 else self._probe_reduction()
+        planned = apply(
+            self.model,
+            chosen.plan,
+            stages=self.stages,
+            example=example,
+            replan=_same_plan(chosen.plan, chosen.microbatch_size),
+        )
+        sparse = None
+        if self.masks is not None:
+            dense = csr = 0
+            for name, p in self.masks.parameters.items():
+                nnz = int(self.masks.masks[name].sum())
+                counted = predicted_sparse_bytes(p.shape, nnz, p.dtype, "csr", torch.int32)
+                dense += counted.dense_bytes
+                csr += counted.sparse_bytes
+            sparse = (dense, csr)
+        chain = self.chain(chosen.precision, k)
+        state = _StepState(
+            base_model=self.model,
+            loss_fn=self.loss_fn,
+            reduction=reduction,
+            count=count,
+            device_type=self.device_type,
+            masks=self.masks,
+            scaler=make_grad_scaler(precision, self.device_type) if precision.scales_loss else None,
+            planned_state_bytes=self.optimizer_state_bytes,
+            microbatch_size=chosen.microbatch_size,
+        )
+        if self.optimizer is not None:
+            state.seen_optimizers.add(id(self.optimizer))
+            if self.masks is not None:
+                self.masks.attach(self.optimizer, mask_gradients=False)
+        return FitSetup(
+            model=planned,
+            plan=chosen.plan,
+            precision=precision,
+            precision_name=chosen.precision,
+            microbatches=k,
+            microbatch_size=chosen.microbatch_size,
+            batch_size=self.n,
+            chain=chain,
+            budget_bytes=budget,
+            predicted_peak_bytes=chosen.predicted_peak_bytes,
+            predicted_time=chosen.predicted_time,
+            measured_peak_bytes=None,
+            persistent_bytes=self.persistent_bytes,
+            optimizer_state_bytes=self.optimizer_state_bytes,
+            gradient_bytes=sum(self.grad_bytes),
+            batch_bytes=self.batch_bytes,
+            activation_peak_bytes=simulate(chain, chosen.plan).peak_bytes,
+            reserve_bytes=reserve,
+            precision_factors=tuple(sorted(self.factors.items())),
+            candidates=tuple(candidates),
+            sparsity=None if self.masks is None else self.masks.density(),
+            sparse_weight_bytes=sparse,
+            _state=state,
+        )
+
+    def _probe_reduction(self) -> str:
+        """``"mean"`` when the model returns a ``.loss`` (Hugging Face), else ``"sum"`` (the
+        default loss sums the output). One no-grad forward on one example; state restored."""
+        one = _example_microbatch(self.batch, self.n)
+        with _preserved(self.model), torch.no_grad():
+            out = _call(self.model, one)
+        return "mean" if isinstance(getattr(out, "loss", None), torch.Tensor) else "sum"
+
+
+def _least_memory_plan(chain: Chain) -> Plan:
+    """A plan with the least simulated activation peak, chosen without looking at the measured
+    times (the fewest recomputations at unit cost), so that the least peak a combination
+    reaches, and with it :class:`FitBudgetError`'s minimum, does not move with timing noise."""
+    from remat.api import plan as make_plan
+    from remat.planners.optimal_time import min_feasible_peak
+    from remat.simulate import simulate
+
+    unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
+    least = make_plan(unit, _METHOD, min_feasible_peak(chain))
+    least = replace(least, chain_fingerprint=chain.fingerprint)
+    sim = simulate(chain, least)
+    params = {**least.params, "least_memory": True}
+    return replace(least, params=params, predicted_time=sim.total_time)
+
+
+def _largest_fitting(
+    chain: Chain, budget: int, lo: int, hi: int, peak: Callable[[Plan], int]
+) -> Plan | None:
+    """The time-optimal plan for the largest activation budget in ``[lo, hi]`` whose step peak
+    (``peak``) fits ``budget``, by bisection (the optimal planner's time falls as its
+    activation budget grows); None when not even ``lo`` gives a fitting plan."""
+    from remat.api import plan as make_plan
+
+    def attempt(activations: int) -> Plan | None:
+        if activations <= 0:
+            return None
+        try:
+            candidate = make_plan(chain, _METHOD, activations)
+        except BudgetTooSmallError:
+            return None
+        return candidate if peak(candidate) <= budget else None
+
+    best = attempt(hi)
+    if best is not None:
+        return best
+    best = attempt(lo)
+    if best is None:
+        return None
+    while hi - lo > max(1, hi // 4096):
+        mid = (lo + hi) // 2
+        candidate = attempt(mid)
+        if candidate is None:
+            hi = mid
+        else:
+            best, lo = candidate, mid
+    return best
+
+
+def _choose(candidates: Sequence[FitCandidate]) -> FitCandidate | None:
+    """The fitting candidate with the least predicted time (ties: search order)."""
+    best: FitCandidate | None = None
+    for c in candidates:
+        if c.fits and (best is None or c.predicted_time < best.predicted_time):  # type: ignore[operator]
+            best = c
+    return best
+
+
+# ---------------------------------------------------------------------- measurement
+def _measure_step(setup: FitSetup, batch: Any, optimizer: torch.optim.Optimizer | None) -> int:
+    """Peak bytes of one whole :meth:`FitSetup.step` after a warm-up step; the model, its
+    gradients and buffers, the optimizer and the RNG are restored afterwards."""
+    from remat.measure import cuda_step_peak_bytes, step_peak_bytes
+
+    state = setup._require_state()
+    model = state.base_model
+    extra = list(state.masks.masks.values()) if state.masks is not None else []
+    with _preserved(model, optimizer, state.scaler):
+
+        def one_step() -> None:
+            setup.step(batch, optimizer)
+
+        if state.device_type == "cuda":
+            return cuda_step_peak_bytes(one_step)
+        return step_peak_bytes(one_step, model, optimizer, inputs=(batch, extra))
+
+
+@contextlib.contextmanager
+def _preserved(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None
+) -> Iterator[None]:
+    """Restore parameters, gradients, buffers, optimizer and scaler state and the RNG on exit."""
+    params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    devices = sorted({p.device.index or 0 for p, _, _ in params if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for p, value, grad in params:
+                p.copy_(value)
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+        if optimizer is not None and opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
+
+
+def _optimizer_costs(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """``(state bytes, transient bytes of one step)`` of ``optimizer``, measured exactly on fake
+    tensors (nothing allocated): the state as it will be after its first step, and the peak of
+    the temporaries one step allocates (Adam's ``sqrt`` and division, for example)."""
+    from remat.profile import StepTracker, fake_step
+
+    if optimizer is None:
+        return 0, 0
+    with fake_step(model, None, optimizer) as (mode, _, fake_opt), mode:
+        assert fake_opt is not None
+        params = [p for g in fake_opt.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if not fake_opt.state:
+            fake_opt.step()
+        state = [v for s in fake_opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+        tracker = StepTracker(timeline=False)
+        tracker.track_external(model, fake_opt)
+        with tracker:
+            tracker.start()
+            before = tracker.live_bytes()
+            fake_opt.step()
+            transient = max(0, tracker.peak_bytes - before)
+        for p in params:
+            p.grad = None
+    return state_bytes, transient
+
+
+def _rng_state_bytes(device_type: str) -> int:
+    """Bytes of the RNG states a checkpoint saves (``preserve_rng_state=True``)."""
+    nbytes = torch.get_rng_state().numel()
+    if device_type == "cuda":
+        nbytes += torch.cuda.get_rng_state().numel() * torch.cuda.device_count()
+    return nbytes
+
+
+def _measure_factor(
+    model: nn.Module, example: Any, loss_fn: LossFn, name: str, device_type: str
+) -> float:
+    """Median time of a ``name`` forward+backward over an fp32 one (interleaved, after a
+    warm-up of each), on ``example``; the model is left as it was."""
+    from remat.measure import interleaved_times, median_ratio
+
+    def step(low: bool) -> Callable[[], None]:
+        def run() -> None:
+            ctx = _autocast(name, device_type) if low else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, example)
+            loss.float().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    with _preserved(model):
+        times = interleaved_times({"fp32": step(False), name: step(True)}, repeats=1, warmup=1)
+    return median_ratio(times, name, "fp32")
+
+
+# ---------------------------------------------------------------------- helpers
+def _precision_names(precisions: Sequence[Any]) -> list[str]:
+    if isinstance(precisions, str):
+        precisions = [precisions]
+    names: list[str] = []
+    for p in precisions:
+        label = "fp32" if p is None else str(p).lower()
+        label = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(
+            label, label
+        )
+        if label not in PRECISIONS:
+            raise ValueError(
+                f"unknown precision {p!r}: fit searches {', '.join(PRECISIONS)} (autocast "
+                "compute). Compressed saved activations are not searched; see make_setup"
+            )
+        if label not in names:
+            names.append(label)
+    if not names:
+        raise ValueError("precisions is empty: give at least one of " + ", ".join(PRECISIONS))
+    return names
+
+
+def _microbatch_counts(n: int, microbatches: Sequence[int] | None) -> list[int]:
+    if microbatches is None:
+        return [k for k in range(1, n + 1) if n % k == 0]
+    counts = sorted(set(int(k) for k in microbatches))
+    if not counts or counts[0] < 1 or counts[-1] > n:
+        raise ValueError(
+            f"microbatch counts must be between 1 and the batch size {n}, got {list(microbatches)}"
+        )
+    return counts
+
+
+def _prune(model: nn.Module, sparsity: float | None) -> Any:
+    if sparsity is None:
+        return None
+    from remat.levers import magnitude_prune
+
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity is the density of kept weights, in (0, 1]; got {sparsity}")
+    masks = magnitude_prune(model, sparsity)
+    return masks.attach(None, mask_gradients=True)
+
+
+def _default_loss() -> LossFn:
+    from remat.profile import default_loss_fn
+
+    return default_loss_fn
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    from remat.measure import unique_storage_bytes
+
+    return unique_storage_bytes(tensors)
+
+
+def _batch_size(batch: Any) -> int:
+    from remat.levers.microbatch import batch_size
+
+    return batch_size(batch)
+
+
+def _example_microbatch(batch: Any, k: int) -> Any:
+    """The first (largest) of ``k`` microbatches, as its own storage (k > 1), so that a
+    capture counts its bytes and not the whole batch's."""
+    if k == 1:
+        return batch
+    from remat.levers.microbatch import split_batch
+
+    first = split_batch(batch, k)[0]
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.dim() > 0 else t, first)
+
+
+def _device_type(model: nn.Module) -> str:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def _autocast(name: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast for a precision name, without its weight cache: a cached 16-bit weight copy
+    lives until the autocast region ends, even where a checkpoint frees everything else; not
+    caching keeps each copy only as long as autograd saves it (what the chain counts)."""
+    compute = PRECISIONS[name]
+    if compute is None:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if compute == "bf16" else torch.float16
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
+@contextlib.contextmanager
+def _forward_context(
+    precision: Any, device_type: str, model: nn.Module, exclude: Sequence[torch.Tensor]
+) -> Iterator[None]:
+    from remat.levers import compress_saved_activations
+
+    with contextlib.ExitStack() as stack:
+        if precision.compute is not None:
+            dtype = precision.compute_dtype
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+        if precision.saved is not None:
+            stack.enter_context(
+                compress_saved_activations(precision.saved, model, precision.min_numel, exclude)
+            )
+        yield
+
+
+def _same_plan(plan: Plan, size: int) -> Callable[..., Plan]:
+    """``replan`` for the executor: a smaller microbatch (the last ones of an uneven split, a
+    short last batch) runs under the same plan; a larger one would not fit."""
+
+    def replan(*args: Any, **kwargs: Any) -> Plan:
+        leaves = [t for t in _tensors((args, kwargs)) if t.dim() > 0]
+        if leaves and leaves[0].shape[0] > size:
+            raise ValueError(
+                f"this setup was fitted for microbatches of {size} examples, got "
+                f"{leaves[0].shape[0]}: call remat.fit again for the larger batch"
+            )
+        return plan
+
+    return replan
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, tuple | list):
+        return model(*batch)
+    return model(batch)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

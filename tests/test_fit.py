@@ -1,0 +1,265 @@
+"""remat.fit: the fastest combination of plan x precision x microbatching that fits a budget.
+
+Issue 6: the measured peak of the chosen setup is within the budget; ``.step`` gives the
+gradients of a plain full-batch step (no batch norm, fp32); the error names the smallest budget
+any combination reaches (and that budget fits); the chosen combination is the fastest that
+fits (brute force over every flat plan of every candidate's chain); the CLI prints the setup.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from bruteforce import all_flat_plans
+from torch import nn
+
+from remat import Plan, simulate
+from remat.cli import main
+from remat.fit import FitBudgetError, FitCandidate, FitSetup, fit, make_setup
+from remat.levers import predicted_sparse_bytes
+from remat.measure import step_peak_bytes, unique_storage_bytes
+
+
+def _mlp(width: int = 64, layers: int = 8, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    return nn.Sequential(*blocks).to(dtype)
+
+
+def _mse(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).float().square().mean()
+
+
+def _plain_peak(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> int:
+    def step() -> None:
+        _mse(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step_peak_bytes(step, model, optimizer, batch)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _setup_peak(setup: FitSetup, batch: torch.Tensor, opt: torch.optim.Optimizer) -> int:
+    return step_peak_bytes(lambda: setup.step(batch, opt), setup.model.model, opt, batch)
+
+
+def test_budget_is_met_and_gradients_equal_a_full_batch_step() -> None:
+    model = _mlp(dtype=torch.float64)
+    batch = torch.randn(256, 64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    unplanned = _plain_peak(copy.deepcopy(model), batch, torch.optim.Adam(model.parameters()))
+    budget = int(unplanned * 0.75)
+    setup = fit(model, batch, budget, _mse, optimizer=opt, precisions=("fp32",), progress=False)
+    assert setup.predicted_peak_bytes <= budget
+    assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= budget
+    # the levers are really used: fewer activations than the plain step keeps
+    assert setup.microbatches > 1 or any(s.checkpoint for s in setup.plan.walk())
+    # conservative by at most the gradients the backward makes at its peak event
+    assert abs(setup.measured_peak_bytes - setup.predicted_peak_bytes) <= 0.1 * budget
+    # measuring restored the model: parameters and optimizer untouched
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q) and p.grad is None
+    assert not opt.state
+    # gradients of one whole step equal a plain full-batch backward
+    setup.step(batch)
+    got = {n.removeprefix("model."): g for n, g in _grads(setup.model).items()}
+    _mse(reference, batch).backward()
+    want = _grads(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+    # an independent measurement of the steady-state step with the optimizer fits too
+    model.zero_grad(set_to_none=True)
+    assert _setup_peak(setup, batch, opt) <= budget
+
+
+def test_uneven_microbatches_give_full_batch_gradients() -> None:
+    model = _mlp(width=32, layers=4, dtype=torch.float64)
+    batch = torch.randn(16, 32, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    setup = fit(model, batch, "1GiB", _mse, microbatches=[3], precisions=["fp32"], progress=False)
+    assert setup.microbatches == 3 and setup.microbatch_size == 6
+    setup.step(batch)
+    _mse(reference, batch).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="fitted for microbatches of 6"):
+        setup.step(torch.randn(32, 32, dtype=torch.float64))
+
+
+def test_chosen_setup_is_the_fastest_that_fits_by_brute_force() -> None:
+    model = _mlp(width=64, layers=6)
+    batch = torch.randn(128, 64)
+    batch_bytes = unique_storage_bytes([batch])
+    every = [1, 2, 4, 8, 16, 32, 64, 128]
+    probe = fit(model, batch, "1GiB", _mse, precisions=["fp32"], microbatches=every,
+                measure=False, progress=False)  # fmt: skip
+    assert [c.microbatches for c in probe.candidates] == every  # a given list is searched whole
+    floor = min(c.min_peak_bytes for c in probe.candidates)
+    budget = (floor + probe.candidates[0].min_peak_bytes) // 2  # one microbatch does not fit
+    setup = fit(model, batch, budget, _mse, precisions=["fp32"], measure=False, progress=False)
+    assert any(not c.fits for c in setup.candidates) and any(c.fits for c in setup.candidates)
+    stage_grads = [sum(p.numel() * 4 for p in block.parameters()) for block in model]
+
+    def step_peak(c: FitCandidate, plan: Plan) -> int:
+        # no optimizer: gradients persist, and each stage's backward adds its new gradients
+        # as temporaries before accumulating them (NOTE [ Gradients that accumulate ])
+        constant = setup.persistent_bytes + setup.gradient_bytes
+        constant += batch_bytes - batch_bytes // c.microbatches
+        events = simulate(c.chain, plan).timeline
+        top = max(e.peak_bytes + (stage_grads[e.stage - 1] if e.op == "B" else 0) for e in events)
+        # and the RNG state each checkpointed segment keeps to replay dropout
+        rng = torch.get_rng_state().numel() * sum(s.checkpoint for s in plan.walk())
+        return constant + top + rng
+
+    best_time = None
+    for c in setup.candidates:
+        if c.fits:
+            assert c.plan is not None and c.predicted_peak_bytes is not None
+            assert c.predicted_peak_bytes == step_peak(c, c.plan) <= budget
+            sim = simulate(c.chain, c.plan)
+            assert c.predicted_time == pytest.approx(sim.total_time * c.microbatches)
+        assert c.min_peak_bytes <= c.unplanned_peak_bytes
+        for flat in all_flat_plans(c.chain):
+            plan = flat.plan(c.chain)
+            if step_peak(c, plan) <= budget:
+                assert c.fits
+                t = simulate(c.chain, plan).total_time * c.microbatches
+                best_time = t if best_time is None else min(best_time, t)
+    assert best_time is not None
+    assert setup.predicted_time <= best_time * (1 + 1e-9)
+
+
+def test_error_names_the_smallest_budget_any_combination_reaches() -> None:
+    model = _mlp(width=64, layers=4)
+    batch = torch.randn(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(FitBudgetError, match="at least") as info:
+        fit(model, batch, "64KiB", _mse, optimizer=opt, precisions=["fp32"], progress=False)
+    minimum = info.value.minimum_bytes
+    assert info.value.budget_bytes == 64 * 1024 < minimum
+    with pytest.raises(FitBudgetError):
+        fit(model, batch, minimum - 1, _mse, optimizer=opt, precisions=["fp32"], progress=False)
+    setup = fit(model, batch, minimum, _mse, optimizer=opt, precisions=["fp32"], progress=False)
+    assert setup.predicted_peak_bytes == minimum
+    assert min(c.min_peak_bytes for c in setup.candidates) == minimum
+    assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= minimum
+
+
+def test_bf16_setup_fits_and_trains_close_to_fp32() -> None:
+    model = _mlp(width=64, layers=4)
+    batch = torch.randn(64, 64)
+    reference = copy.deepcopy(model)
+    setup = fit(model, batch, "64MiB", _mse, precisions=["bf16"], progress=False)
+    assert setup.precision_name == "bf16" and setup.precision.compute == "bf16"
+    assert setup.measured_peak_bytes is not None
+    assert abs(setup.measured_peak_bytes - setup.predicted_peak_bytes) <= 0.05 * (
+        setup.predicted_peak_bytes
+    )
+    setup.step(batch)
+    _mse(reference, batch).backward()
+    num = sum(float((p.grad - q.grad).norm() ** 2) for p, q in _pairs(model, reference))
+    den = sum(float(q.grad.norm() ** 2) for _, q in _pairs(model, reference))
+    assert 0 < (num / den) ** 0.5 < 0.05  # bf16 rounding, not a different computation
+    # a budget below every fp32 plan's least peak can be met with bf16 activations
+    fp32 = fit(model, batch, "64MiB", _mse, precisions=["fp32"], measure=False, progress=False)
+    low = min(c.min_peak_bytes for c in fp32.candidates if c.microbatches == 1)
+    bf16 = min(c.min_peak_bytes for c in setup.candidates if c.microbatches == 1)
+    assert bf16 < low
+
+
+def test_batch_norm_model_with_microbatches_stays_within_budget() -> None:
+    from remat import zoo
+
+    entry = zoo.get("wrn-28-2", batch_size=16, depth=10, image_size=16)
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    probe = fit(entry.model, entry.batch, "4GiB", entry.loss_fn, optimizer=opt,
+                precisions=["fp32"], measure=False, progress=False)  # fmt: skip
+    budget = int(0.6 * probe.predicted_peak_bytes)
+    setup = fit(entry.model, entry.batch, budget, entry.loss_fn, optimizer=opt,
+                precisions=["fp32"], progress=False)  # fmt: skip
+    assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= budget
+    before = entry.model[1].bn1.num_batches_tracked.clone()
+    setup.step(entry.batch, opt)
+    # batch norm sees each microbatch once (recomputation does not update it again)
+    assert int(entry.model[1].bn1.num_batches_tracked - before) == setup.microbatches
+
+
+def test_sparsity_is_applied_counted_and_kept_through_steps() -> None:
+    model = _mlp(width=64, layers=4)
+    batch = torch.randn(64, 64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dense = fit(copy.deepcopy(model), batch, "64MiB", _mse, precisions=["fp32"], progress=False)
+    setup = fit(model, batch, "64MiB", _mse, optimizer=opt, sparsity=0.25, precisions=["fp32"],
+                progress=False)  # fmt: skip
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    mask_bytes = sum(w.numel() for w in weights)  # one bool per element
+    adam = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # moments and a 0-d step
+    assert setup.persistent_bytes == dense.persistent_bytes + adam + mask_bytes
+    want = sum(
+        predicted_sparse_bytes(
+            w.shape, round(0.25 * w.numel()), torch.float32, "csr", torch.int32
+        ).sparse_bytes
+        for w in weights
+    )
+    assert setup.sparse_weight_bytes == (sum(w.numel() * 4 for w in weights), want)
+    for _ in range(3):
+        setup.step(batch, opt)
+    for w in weights:
+        assert int((w != 0).sum()) <= round(0.25 * w.numel())
+    assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= 64 * 2**20
+
+
+def test_make_setup_runs_a_chosen_combination_with_compressed_activations() -> None:
+    from remat.levers import Precision
+
+    model = _mlp(width=32, layers=4, dtype=torch.float64)
+    batch = torch.randn(32, 32, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    plan = Plan.from_checkpoints(4, [2])
+    setup = make_setup(model, batch, plan, Precision(saved="bf16"), microbatches=4, loss_fn=_mse)
+    assert setup.precision_name == "fp32+saved-bf16"
+    setup.step(batch)
+    _mse(reference, batch).backward()
+    for p, q in _pairs(model, reference):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-6)
+
+
+def test_bad_arguments_are_refused_clearly() -> None:
+    model = _mlp(width=16, layers=2)
+    batch = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="unknown precision 'int4'"):
+        fit(model, batch, "1GiB", _mse, precisions=["int4"], progress=False)
+    with pytest.raises(ValueError, match="between 1 and the batch size 8"):
+        fit(model, batch, "1GiB", _mse, microbatches=[16], progress=False)
+    with pytest.raises(ValueError, match="density of kept weights"):
+        fit(model, batch, "1GiB", _mse, sparsity=0.0, progress=False)
+
+
+def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixture) -> None:
+    common = ["fit", "mlp-chain", "--batch", "64", "--option", "layers=4", "--option"]
+    common += ["width=64", "--precision", "fp32", "--optimizer", "sgd"]
+    assert main([*common, "--budget", "8MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["budget_bytes"] == 8 * 2**20
+    assert data["measured_peak_bytes"] <= data["budget_bytes"]
+    assert data["predicted_peak_bytes"] <= data["budget_bytes"]
+    assert data["candidates"] and data["precision"] == "fp32"
+    assert main([*common, "--budget", "10KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "remat fit: error" in err and "Raise the budget to at least" in err
+    assert main([*common, "--budget", "8MiB", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and "not measured" in out and "precision" in out
+
+
+def _pairs(a: nn.Module, b: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    return list(zip(a.parameters(), b.parameters(), strict=True))
