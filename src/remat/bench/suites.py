@@ -411,11 +411,32 @@ def _zoo_entry(name: str, quick: bool) -> Any:
     return zoo.get(name, **small.get(name, {}))
 
 
+# Suites with a module of their own (imported only when run): ``remat.bench.<name>`` defines
+# ``suite(models, quick, progress) -> rows``, ``DEFAULT_MODELS``, ``NOTES`` and, optionally,
+# ``write_report(out, result)`` for a report beyond the generic table (the papers' columns).
+OWN_MODULE_SUITES = ("reforward", "sohoni")
+
+
+def _own_module(suite: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"remat.bench.{suite}")
+
+
+def _lazy_suite(suite: str) -> Callable[[list[str], bool, Callable[[str], None]], list[dict]]:
+    def run(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+        return _own_module(suite).suite(models, quick, progress)
+
+    run.__name__ = f"suite_{suite}"
+    return run
+
+
 SUITES: dict[str, Callable[[list[str], bool, Callable[[str], None]], list[dict]]] = {
     "peers": suite_peers,
     "budget": suite_budget,
     "chen2016": suite_chen2016,
     "planners": suite_planners,
+    **{name: _lazy_suite(name) for name in OWN_MODULE_SUITES},
 }
 SUITE_NOTES = {
     "planners": (
@@ -462,7 +483,13 @@ def run_suite(
     """Run ``suite`` and write ``out/SUITE.json``, ``out/SUITE.md`` and plots."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose one of: {', '.join(SUITES)}")
-    chosen = models or ([QUICK_MODEL] if quick else DEFAULT_MODELS[suite])
+    module = _own_module(suite) if suite in OWN_MODULE_SUITES else None
+    defaults = module.DEFAULT_MODELS if module else DEFAULT_MODELS[suite]
+    notes = module.NOTES if module else SUITE_NOTES.get(suite, "")
+    if module:
+        chosen = models or (defaults[:1] if quick else list(defaults))
+    else:
+        chosen = models or ([QUICK_MODEL] if quick else defaults)
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     rows = SUITES[suite](chosen, quick, say)
@@ -481,6 +508,9 @@ def run_suite(
     (out / f"{suite}.json").write_text(json.dumps(rows, indent=1, default=str))
     from remat.bench.report import write_markdown, write_plots
 
-    write_markdown(out / f"{suite}.md", suite, result, SUITE_NOTES.get(suite, ""))
-    write_plots(out, suite, rows)
+    if module is not None and hasattr(module, "write_report"):
+        module.write_report(out, result)
+    else:
+        write_markdown(out / f"{suite}.md", suite, result, notes)
+        write_plots(out, suite, rows)
     return rows
