@@ -151,3 +151,98 @@ def test_bad_factories_have_clear_errors(factories):
         zoo.get("my_models:missing")
     with pytest.raises(UnknownModelError, match="cannot import"):
         zoo.get("no_such_package_xyz:make")
+
+
+# ---------------------------------------------------------------------- Rockmate's models
+ROCKMATE_SMALL = {
+    "regnet": dict(batch_size=2, image_size=32),
+    "unet": dict(batch_size=2, image_size=16, depth=2, width=4, form="chain"),
+    "mlp-mixer": dict(batch_size=2, image_size=16, patch=4, dim=16, depth=2, channel_hidden=32),
+    "resnet101": dict(batch_size=2, image_size=32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROCKMATE_SMALL))
+def test_rockmate_models_capture_as_chains_with_equal_gradients(name):
+    from remat.capture import capture
+    from remat.runtime import apply
+
+    entry = zoo.get(name, **ROCKMATE_SMALL[name])
+    expected_stages = {"regnet": 2 + 16, "unet": 2 + 1 + 2 + 1, "mlp-mixer": 1 + 2 + 1}
+    captured = capture(entry.model, entry.batch, loss_fn=entry.loss_fn, repeats=1)
+    assert captured.chain.n == expected_stages.get(name, 1 + 33 + 1)  # resnet101: 3+4+23+3
+    # every stage checkpointed: same loss and gradients as the model itself
+    from remat.plans import Plan
+
+    entry.model.eval()  # batch-norm in eval mode: both runs see the same statistics
+    entry.model.zero_grad(set_to_none=True)
+    loss = entry.loss_fn(entry.model, entry.batch)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in entry.model.named_parameters()}
+    entry.model.zero_grad(set_to_none=True)
+    planned = apply(entry.model, Plan.every_stage(captured.chain), stages=captured.stages)
+    loss2 = entry.loss_fn(planned, entry.batch)
+    loss2.backward()
+    assert torch.equal(loss, loss2)
+    for n, p in entry.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6)
+
+
+def test_regnet_chain_is_torchvisions_regnet():
+    import torchvision
+
+    torch.manual_seed(0)
+    tv = torchvision.models.regnet_y_400mf(num_classes=10).eval()
+    chain = zoo.regnet_chain(tv)
+    assert type(chain) is nn.Sequential and len(chain) == 1 + 16 + 1
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(chain(x), tv(x))
+    assert zoo.get("regnet", **ROCKMATE_SMALL["regnet"]).model[-1][-1].out_features == 10
+
+
+def test_unet_chain_computes_the_unet_and_the_module_form_is_not_a_chain():
+    from remat.capture import capture
+    from remat.graphs.capture import capture_graph
+    from remat.stages import UnsupportedModelError
+
+    entry = zoo.get("unet", batch_size=2, image_size=16, depth=2, width=4)
+    unet = entry.model
+    assert isinstance(unet, zoo.UNet)
+    images, labels = entry.batch
+    assert tuple(labels.shape) == (2, 16, 16)
+    unet.eval()
+    out = unet(images)
+    assert tuple(out.shape) == (2, 2, 16, 16)
+    chain = zoo.unet_chain(unet)
+    assert len(chain) == 2 + 1 + 2 + 1
+    assert torch.equal(chain(images), out)
+    # the skip connections: remat's chain capture refuses the plain module ...
+    with pytest.raises(UnsupportedModelError, match="name the stage boundaries"):
+        capture(unet, entry.batch, loss_fn=entry.loss_fn)
+    # ... its graph capture takes it: the concatenations read the skips (several readers)
+    graph = capture_graph(unet, entry.batch, loss_fn=entry.loss_fn)
+    cats = [node for node in graph.nodes if "cat" in node.name]
+    assert len(cats) == 2
+    with pytest.raises(ValueError, match="multiple of 2 \\*\\* depth"):
+        zoo.get("unet", image_size=20, depth=3)
+    with pytest.raises(ValueError, match="form"):
+        zoo.get("unet", form="graph")
+
+
+def test_mlp_mixer_mixes_tokens_and_channels():
+    entry = zoo.get("mlp-mixer", **ROCKMATE_SMALL["mlp-mixer"])
+    model = entry.model
+    assert type(model) is nn.Sequential and len(model) == 1 + 2 + 1
+    block = model[1]
+    assert block.token_mlp[0].in_features == (16 // 4) ** 2  # 16 patches
+    assert block.channel_mlp[0].in_features == 16
+    images, _ = entry.batch
+    assert tuple(model[0](images).shape) == (2, 16, 16)
+    # token mixing: changing one patch changes every patch's output after one block
+    x = model[0](images).detach()
+    y = x.clone()
+    y[:, 0] += torch.linspace(-1.0, 1.0, 16)  # not constant: layer norm would cancel it
+    changed = (block(y) - block(x)).abs().amax(dim=2) > 0
+    assert bool(changed.all())
+    with pytest.raises(ValueError, match="multiple of patch"):
+        zoo.get("mlp-mixer", image_size=30, patch=8)

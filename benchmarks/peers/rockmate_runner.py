@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--solver", choices=sorted(SOLVERS), default="rotor")
     p.add_argument("--batch", type=int, default=None, help="batch size (model default)")
+    p.add_argument(
+        "--options",
+        default=None,
+        help="zoo options as JSON (default: the peers suite's, remat.bench.suites._model_options)",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps (each of eager, rockmate)")
     p.add_argument("--n-layer", type=int, default=6, help="inline gpt2: layers (2..6)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -543,7 +548,29 @@ def _gpt2_workload(batch: int | None, n_layer: int) -> Workload:
     )
 
 
-def load_workload(name: str, batch: int | None, n_layer: int) -> Workload:
+def zoo_options(name: str, batch: int | None, options: str | None) -> dict[str, Any]:
+    """The zoo options of a run: ``--options`` (JSON) or else the peers suite's for ``name``
+    (so that Rockmate runs on the same model and input as the suite's other methods), with
+    ``--batch`` as ``batch_size`` over both."""
+    if options is not None:
+        chosen = json.loads(options)
+        if not isinstance(chosen, dict):
+            raise SystemExit(f"--options must be a JSON object, got {options!r}")
+    else:
+        try:
+            from remat.bench.suites import _model_options  # noqa: PLC0415
+        except ImportError:
+            chosen = {}
+        else:
+            chosen = dict(_model_options(name, False))
+    if batch is not None:
+        chosen["batch_size"] = batch
+    return chosen
+
+
+def load_workload(
+    name: str, batch: int | None, n_layer: int, options: str | None = None
+) -> Workload:
     """A remat zoo model if remat.zoo exists and knows ``name``; else the inline ones."""
     import torch
 
@@ -553,10 +580,20 @@ def load_workload(name: str, batch: int | None, n_layer: int) -> Workload:
     except ImportError:
         zoo = None
     if zoo is not None and name not in INLINE_MODELS:
-        entry = zoo.get(name, batch_size=batch)
+        from remat.capture import _model_arguments  # noqa: PLC0415
+
+        chosen = zoo_options(name, batch, options)
+        entry = zoo.get(name, **chosen)
         batch_obj = entry.batch
-        inputs = tuple(batch_obj) if isinstance(batch_obj, list | tuple) else (batch_obj,)
         zoo_loss = entry.loss_fn
+        # what the zoo loss calls the model with (a classifier gets the images, not the labels)
+        args, kwargs = _model_arguments(entry.model, zoo_loss, batch_obj)
+        if kwargs:
+            raise TypeError(
+                f"zoo model {name!r} is called with keyword arguments {sorted(kwargs)}; "
+                "Rockmate takes positional inputs only (use an inline workload)"
+            )
+        inputs = tuple(args)
 
         class _Out(torch.nn.Module):
             def __init__(self, out: Any) -> None:
@@ -570,7 +607,8 @@ def load_workload(name: str, batch: int | None, n_layer: int) -> Workload:
             # zoo loss_fn(module, batch) calls the module: hand it the computed output
             return _zl(_Out(out), batch_obj)
 
-        return Workload(name, entry.model, inputs, loss_fn, f"remat.zoo.get({name!r})")
+        source = f"remat.zoo.get({name!r}, **{chosen!r}): {entry.description}"
+        return Workload(name, entry.model, inputs, loss_fn, source)
     if name == "chain":
         return _chain_workload(batch)
     if name in ("gpt2", "gpt2-small"):
@@ -666,7 +704,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["patch_details"] = {k: PATCHES[k] for k in result["patched"]}
 
         stage = "workload"
-        work = load_workload(args.model, args.batch, args.n_layer)
+        work = load_workload(args.model, args.batch, args.n_layer, args.options)
         result["workload"] = work.source
         model, inputs, loss_fn = work.model, work.inputs, work.loss_fn
         eager = copy.deepcopy(model)

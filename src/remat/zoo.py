@@ -34,6 +34,23 @@ Names:
 * ``lstm-seq``: ``nn.Sequential`` of ``layers`` modules each wrapping one ``nn.LSTM`` layer
   (batch first), then a head (last time step → Linear); a long sequence (``seq_len=512``,
   ``input_size=32``, ``hidden=128``, ``layers=4``, ``num_classes=10``); cross-entropy loss.
+* ``regnet``: torchvision ``regnet_y_400mf`` (Rockmate's RegNet; ``arch`` picks another
+  ``regnet_*``) re-wrapped, sharing its modules, as ``nn.Sequential(stem, block, ..., block,
+  head)`` (torchvision's ``RegNet.forward`` is stem, trunk, pool, flatten, fc: the same function,
+  but not a structure remat detects). Options: ``arch``, ``image_size`` (64), ``num_classes``
+  (10). Any torchvision ``regnet_*`` name is also available unwrapped (not a chain).
+* ``unet``: a 2-D U-Net (Ronneberger et al. 2015; padded 3x3 convolutions, batch norm, max-pool
+  down, transposed-convolution up, concatenated skips), per-pixel cross-entropy against random
+  labels. Options: ``depth`` (3 down/up levels), ``width`` (16 channels at the top, doubled per
+  level), ``image_size`` (64, a multiple of ``2 ** depth``), ``in_channels`` (3),
+  ``num_classes`` (2), ``form``: ``"module"`` (default: :class:`UNet`, whose ``forward`` keeps
+  the skips in a list: **not a chain**, :func:`remat.capture` raises ``UnsupportedModelError``;
+  :func:`remat.graphs.capture.capture_graph` captures it as a graph) or ``"chain"``
+  (:func:`unet_chain`: the same modules and function as an ``nn.Sequential`` of stages whose
+  activation is the tuple ``(x, skip_1, ..., skip_k)``: the skips ride along the chain).
+* ``mlp-mixer``: an MLP-Mixer (Tolstikhin et al. 2021) as ``nn.Sequential(patch embedding,
+  block, ..., block, head)``. Options: ``image_size`` (64), ``patch`` (8), ``dim`` (128),
+  ``depth`` (8), ``token_hidden`` (64), ``channel_hidden`` (512), ``num_classes`` (10).
 * ``package.module:factory``: your own model. The factory is called with the options (and
   ``batch_size`` if it accepts it) and returns an ``nn.Module``, a ``(module, batch)`` pair or a
   :class:`ZooModel`. For a bare module remat makes a batch from its first layer (Linear, Conv,
@@ -56,7 +73,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ZooModel", "get", "names", "UnknownModelError", "BUILTIN"]
+__all__ = [
+    "ZooModel",
+    "get",
+    "names",
+    "UnknownModelError",
+    "BUILTIN",
+    "UNet",
+    "unet_chain",
+    "regnet_chain",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -88,6 +114,9 @@ BUILTIN: tuple[str, ...] = (
     "llama-tiny",
     "mlp-chain",
     "lstm-seq",
+    "regnet",
+    "unet",
+    "mlp-mixer",
 )
 
 
@@ -478,6 +507,249 @@ def _lstm_seq(
     )
 
 
+# ---------------------------------------------------------------------- RegNet (Rockmate's list)
+def regnet_chain(model: nn.Module) -> nn.Sequential:
+    """A torchvision ``RegNet`` as ``nn.Sequential(stem, block, ..., block, head)``, sharing its
+    modules: ``regnet_chain(m)(x) == m(x)``."""
+    blocks = [block for stage in model.trunk_output for block in stage]
+    head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
+    return nn.Sequential(model.stem, *blocks, head)
+
+
+def _regnet(
+    batch_size: int | None,
+    generator: torch.Generator,
+    arch: str = "regnet_y_400mf",
+    image_size: int = 64,
+    num_classes: int = 10,
+) -> tuple[nn.Module, Any, LossFn, str]:
+    import torchvision
+
+    if not arch.startswith("regnet_"):
+        raise ValueError(f"arch must be a torchvision regnet_* builder, got {arch!r}")
+    model = regnet_chain(torchvision.models.get_model(arch, weights=None, num_classes=num_classes))
+    b = batch_size or 8
+    images = torch.randn(b, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, num_classes, (b,), generator=generator)
+    return (
+        model,
+        (images, labels),
+        classification_loss,
+        f"torchvision {arch} as a chain of {len(model)} stages, {num_classes} classes, batch {b} "
+        f"x 3 x {image_size} x {image_size}",
+    )
+
+
+# ---------------------------------------------------------------------- U-Net
+class DoubleConv(nn.Sequential):
+    """(3x3 conv, batch norm, ReLU) twice, padded: the U-Net's unit."""
+
+    def __init__(self, in_channels: int, out: int) -> None:
+        super().__init__(
+            nn.Conv2d(in_channels, out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out),
+            nn.ReLU(),
+            nn.Conv2d(out, out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out),
+            nn.ReLU(),
+        )
+
+
+class UNet(nn.Module):
+    """A 2-D U-Net: ``depth`` levels of (DoubleConv, 2x2 max-pool) down, a DoubleConv at the
+    bottom, then per level a 2x2 transposed convolution up, the concatenation with the skip of
+    that level, and a DoubleConv; a 1x1 convolution to ``num_classes`` per pixel."""
+
+    def __init__(
+        self, in_channels: int = 3, num_classes: int = 2, width: int = 16, depth: int = 3
+    ) -> None:
+        super().__init__()
+        if depth < 1 or width < 1:
+            raise ValueError(f"depth and width must be >= 1, got depth={depth}, width={width}")
+        self.depth = depth
+        widths = [width * 2**i for i in range(depth + 1)]
+        self.down = nn.ModuleList(
+            DoubleConv(in_channels if i == 0 else widths[i - 1], widths[i]) for i in range(depth)
+        )
+        self.pool = nn.MaxPool2d(2)
+        self.bottom = DoubleConv(widths[depth - 1], widths[depth])
+        self.up = nn.ModuleList(
+            nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in range(depth)
+        )
+        self.decode = nn.ModuleList(DoubleConv(2 * widths[i], widths[i]) for i in range(depth))
+        self.head = nn.Conv2d(widths[0], num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for level in self.down:
+            x = level(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottom(x)
+        for i in reversed(range(self.depth)):
+            x = self.up[i](x)
+            x = self.decode[i](torch.cat([skips[i], x], dim=1))
+        return self.head(x)
+
+
+class UNetDown(nn.Module):
+    """Chain stage: ``(x, *skips) -> (pool(y), *skips, y)`` with ``y = level(x)``."""
+
+    def __init__(self, level: nn.Module, pool: nn.Module) -> None:
+        super().__init__()
+        self.level = level
+        self.pool = pool
+
+    def forward(self, a: Any) -> tuple[torch.Tensor, ...]:
+        x, *skips = a if isinstance(a, tuple) else (a,)
+        y = self.level(x)
+        return (self.pool(y), *skips, y)
+
+
+class UNetBottom(nn.Module):
+    """Chain stage: ``(x, *skips) -> (bottom(x), *skips)``."""
+
+    def __init__(self, bottom: nn.Module) -> None:
+        super().__init__()
+        self.bottom = bottom
+
+    def forward(self, a: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x, *skips = a
+        return (self.bottom(x), *skips)
+
+
+class UNetUp(nn.Module):
+    """Chain stage: ``(x, *skips, s) -> (decode(cat(s, up(x))), *skips)`` (a tensor when no
+    skip is left)."""
+
+    def __init__(self, up: nn.Module, decode: nn.Module) -> None:
+        super().__init__()
+        self.up = up
+        self.decode = decode
+
+    def forward(self, a: tuple[torch.Tensor, ...]) -> Any:
+        x, *skips = a
+        skip = skips.pop()
+        y = self.decode(torch.cat([skip, self.up(x)], dim=1))
+        return (y, *skips) if skips else y
+
+
+def unet_chain(model: UNet) -> nn.Sequential:
+    """``model`` as an ``nn.Sequential`` of stages sharing its modules (``unet_chain(m)(x) ==
+    m(x)``): each down level, the bottom, each up level, the head. The skips travel in the
+    activation tuple, so a stage boundary's activation includes every skip still pending."""
+    stages: list[nn.Module] = [UNetDown(level, model.pool) for level in model.down]
+    stages.append(UNetBottom(model.bottom))
+    stages += [UNetUp(model.up[i], model.decode[i]) for i in reversed(range(model.depth))]
+    stages.append(model.head)
+    return nn.Sequential(*stages)
+
+
+def _unet(
+    batch_size: int | None,
+    generator: torch.Generator,
+    depth: int = 3,
+    width: int = 16,
+    image_size: int = 64,
+    in_channels: int = 3,
+    num_classes: int = 2,
+    form: str = "module",
+) -> tuple[nn.Module, Any, LossFn, str]:
+    if form not in ("module", "chain"):
+        raise ValueError(f"form must be 'module' or 'chain', got {form!r}")
+    if image_size % 2**depth:
+        raise ValueError(
+            f"image_size must be a multiple of 2 ** depth = {2**depth}, got {image_size}"
+        )
+    unet = UNet(in_channels, num_classes, width, depth)
+    model: nn.Module = unet if form == "module" else unet_chain(unet)
+    b = batch_size or 4
+    images = torch.randn(b, in_channels, image_size, image_size, generator=generator)
+    labels = torch.randint(0, num_classes, (b, image_size, image_size), generator=generator)
+    return (
+        model,
+        (images, labels),
+        classification_loss,
+        f"U-Net (depth {depth}, width {width}, {form}), per-pixel {num_classes} classes, batch "
+        f"{b} x {in_channels} x {image_size} x {image_size}",
+    )
+
+
+# ---------------------------------------------------------------------- MLP-Mixer
+class PatchEmbedding(nn.Module):
+    """Non-overlapping ``patch`` x ``patch`` patches to ``dim`` channels: ``(B, N, dim)``."""
+
+    def __init__(self, in_channels: int, dim: int, patch: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, patch, stride=patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class MixerBlock(nn.Module):
+    """Token mixing (an MLP across patches) then channel mixing (an MLP across channels), each
+    after a layer norm and with a residual connection."""
+
+    def __init__(self, tokens: int, dim: int, token_hidden: int, channel_hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.token_mlp = nn.Sequential(
+            nn.Linear(tokens, token_hidden), nn.GELU(), nn.Linear(token_hidden, tokens)
+        )
+        self.norm2 = nn.LayerNorm(dim)
+        self.channel_mlp = nn.Sequential(
+            nn.Linear(dim, channel_hidden), nn.GELU(), nn.Linear(channel_hidden, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.token_mlp(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mlp(self.norm2(x))
+
+
+class MixerHead(nn.Module):
+    """Layer norm, mean over patches, linear classifier."""
+
+    def __init__(self, dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).mean(dim=1))
+
+
+def _mlp_mixer(
+    batch_size: int | None,
+    generator: torch.Generator,
+    image_size: int = 64,
+    patch: int = 8,
+    dim: int = 128,
+    depth: int = 8,
+    token_hidden: int = 64,
+    channel_hidden: int = 512,
+    num_classes: int = 10,
+) -> tuple[nn.Module, Any, LossFn, str]:
+    if image_size % patch:
+        raise ValueError(f"image_size must be a multiple of patch={patch}, got {image_size}")
+    tokens = (image_size // patch) ** 2
+    model = nn.Sequential(
+        PatchEmbedding(3, dim, patch),
+        *(MixerBlock(tokens, dim, token_hidden, channel_hidden) for _ in range(depth)),
+        MixerHead(dim, num_classes),
+    )
+    b = batch_size or 8
+    images = torch.randn(b, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, num_classes, (b,), generator=generator)
+    return (
+        model,
+        (images, labels),
+        classification_loss,
+        f"MLP-Mixer ({depth} blocks, dim {dim}, {tokens} patches of {patch}x{patch}, hidden "
+        f"{token_hidden}/{channel_hidden}), batch {b} x 3 x {image_size} x {image_size}",
+    )
+
+
 _BUILDERS: dict[str, Callable[..., tuple[nn.Module, Any, LossFn, str]]] = {
     "resnet1001": _resnet1001,
     "wrn-28-2": _wrn,
@@ -485,6 +757,9 @@ _BUILDERS: dict[str, Callable[..., tuple[nn.Module, Any, LossFn, str]]] = {
     "llama-tiny": _llama,
     "mlp-chain": _mlp_chain,
     "lstm-seq": _lstm_seq,
+    "regnet": _regnet,
+    "unet": _unet,
+    "mlp-mixer": _mlp_mixer,
 }
 
 

@@ -33,6 +33,8 @@ from remat.bench.methods import Setup, Workload, compile_setup, peer_methods, re
 __all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "machine_info"]
 
 PEER_MODELS = ("resnet50", "densenet121", "gpt2", "llama-tiny")
+# Rockmate's own experiments (Zhao et al. 2023): the comparison on the ground its authors chose
+ROCKMATE_MODELS = ("gpt2", "resnet101", "regnet", "unet", "mlp-mixer")
 QUICK_MODEL = "mlp-chain"
 
 
@@ -455,7 +457,7 @@ SUITE_NOTES = {
     ),
 }
 DEFAULT_MODELS = {
-    "peers": list(PEER_MODELS),
+    "peers": list(dict.fromkeys(PEER_MODELS + ROCKMATE_MODELS)),
     "budget": ["resnet50", "gpt2"],
     "chen2016": [],
     "planners": ["mlp-chain", "resnet18", "vgg11", "wrn-28-2", "gpt2", "lstm-seq"],
@@ -470,6 +472,12 @@ def _model_options(name: str, quick: bool) -> dict[str, Any]:
         "densenet121": {"batch_size": 8, "image_size": 224},
         "gpt2": {"batch_size": 4, "seq_len": 512},
         "llama-tiny": {"batch_size": 4, "seq_len": 512},
+        # Rockmate's models, smaller than its paper's (GPU) so that a run ends in <= 15 min on
+        # a loaded 2-core CPU (docs/results/peers/README.md)
+        "resnet101": {"batch_size": 2, "image_size": 64},
+        "regnet": {"batch_size": 8, "image_size": 64},
+        "unet": {"batch_size": 4, "image_size": 64, "depth": 4, "width": 16, "form": "chain"},
+        "mlp-mixer": {"batch_size": 16, "image_size": 64},
     }.get(name, {})
 
 
