@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -182,11 +183,16 @@ def test_batch_norm_model_with_microbatches_stays_within_budget() -> None:
     entry = zoo.get("wrn-28-2", batch_size=16, depth=10, image_size=16)
     opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
     probe = fit(entry.model, entry.batch, "4GiB", entry.loss_fn, optimizer=opt,
-                precisions=["fp32"], measure=False, progress=False)  # fmt: skip
-    budget = int(0.6 * probe.predicted_peak_bytes)
+                precisions=["fp32"], microbatches=[1, 2, 4, 8, 16], measure=False,
+                progress=False)  # fmt: skip
+    # halfway between the least any microbatch count reaches and one microbatch's least
+    least = min(c.min_peak_bytes for c in probe.candidates)
+    assert least < probe.candidates[0].min_peak_bytes
+    budget = (least + probe.candidates[0].min_peak_bytes) // 2
     setup = fit(entry.model, entry.batch, budget, entry.loss_fn, optimizer=opt,
                 precisions=["fp32"], progress=False)  # fmt: skip
     assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= budget
+    assert setup.microbatches > 1
     before = entry.model[1].bn1.num_batches_tracked.clone()
     setup.step(entry.batch, opt)
     # batch norm sees each microbatch once (recomputation does not update it again)
@@ -198,8 +204,9 @@ def test_sparsity_is_applied_counted_and_kept_through_steps() -> None:
     batch = torch.randn(64, 64)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     dense = fit(copy.deepcopy(model), batch, "64MiB", _mse, precisions=["fp32"], progress=False)
-    setup = fit(model, batch, "64MiB", _mse, optimizer=opt, sparsity=0.25, precisions=["fp32"],
+    setup = fit(model, batch, "64MiB", _mse, optimizer=opt, density=0.25, precisions=["fp32"],
                 progress=False)  # fmt: skip
+    assert setup.density == 0.25 and "density 0.25" in str(setup)
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     mask_bytes = sum(w.numel() for w in weights)  # one bool per element
     adam = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # moments and a 0-d step
@@ -240,8 +247,8 @@ def test_bad_arguments_are_refused_clearly() -> None:
         fit(model, batch, "1GiB", _mse, precisions=["int4"], progress=False)
     with pytest.raises(ValueError, match="between 1 and the batch size 8"):
         fit(model, batch, "1GiB", _mse, microbatches=[16], progress=False)
-    with pytest.raises(ValueError, match="density of kept weights"):
-        fit(model, batch, "1GiB", _mse, sparsity=0.0, progress=False)
+    with pytest.raises(ValueError, match="fraction of weights kept"):
+        fit(model, batch, "1GiB", _mse, density=0.0, progress=False)
 
 
 def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixture) -> None:
@@ -259,6 +266,93 @@ def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixt
     assert main([*common, "--budget", "8MiB", "--no-measure"]) == 0
     out = capsys.readouterr().out
     assert "predicted peak" in out and "not measured" in out and "precision" in out
+    # the summary: chosen levers, predicted and measured peak (bytes exact), both in budget
+    assert main([*common, "--budget", "8MiB", "--density", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "remat.fit: budget 8.00 MiB -> fp32" in out and "density 0.5" in out
+    match = re.search(r"\((\d+) / (\d+) B\)", out)
+    assert match is not None, out
+    predicted, measured = int(match[1]), int(match[2])
+    assert predicted <= 8 * 2**20 and measured <= 8 * 2**20
+
+
+def test_loss_that_calls_the_model_on_part_of_the_batch() -> None:
+    """batch = (x, y) and the loss calls model(x): the plan is made for x's microbatch (what the
+    model receives), and the microbatched step gives the full batch's gradients."""
+    from remat.runtime import input_signature
+
+    model = _mlp(width=32, layers=4, dtype=torch.float64)
+    x, y = torch.randn(32, 32, dtype=torch.float64), torch.randn(32, 32, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    setup = fit(model, (x, y), "1GiB", loss_fn, microbatches=[4], precisions=["fp32"],
+                measure=False, progress=False)  # fmt: skip
+    assert setup.microbatches == 4 and setup.microbatch_size == 8
+    assert setup.model.signature == input_signature(x[:8])  # not (x[:8], y[:8])
+    setup.step((x, y))
+    loss_fn(reference, (x, y)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    # and under a budget that needs the levers, its measured step fits
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def plain_step() -> None:
+        loss_fn(plain, (x, y)).backward()
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    budget = int(0.9 * step_peak_bytes(plain_step, plain, plain_opt, (x, y)))
+    fitted = fit(model, (x, y), budget, loss_fn, optimizer=opt, precisions=["fp32"],
+                 progress=False)  # fmt: skip
+    assert fitted.measured_peak_bytes is not None and fitted.measured_peak_bytes <= budget
+    assert fitted.model.signature == input_signature(x[: fitted.microbatch_size])
+
+
+def test_fp16_uses_a_gradient_scaler_and_leaves_unscaled_gradients() -> None:
+    model = _mlp(width=64, layers=4)
+    batch = torch.randn(64, 64)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    setup = fit(model, batch, "64MiB", _mse, optimizer=opt, precisions=["fp16"], progress=False)
+    assert setup.precision_name == "fp16" and setup.precision.scales_loss
+    assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= 64 * 2**20
+    # no optimizer: .grad holds the true (unscaled) gradients, and a second step adds to them
+    setup.step(batch)
+    _mse(reference, batch).backward()
+
+    def error(scale: float) -> float:
+        num = sum(float((p.grad - scale * q.grad).norm() ** 2) for p, q in _pairs(model, reference))
+        den = sum(float((scale * q.grad).norm() ** 2) for _, q in _pairs(model, reference))
+        return (num / den) ** 0.5
+
+    assert 0 < error(1.0) < 0.01  # fp16 rounding, not the 65536x scale
+    setup.step(batch)
+    assert error(2.0) < 0.01
+    # with the optimizer: the scaler unscales before SGD, so the update is the fp32 one
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    setup.step(batch, opt)
+    _mse(reference, batch).backward()
+    for p, q, b in zip(model.parameters(), reference.parameters(), before, strict=True):
+        assert p.grad is None
+        torch.testing.assert_close(b - p, 0.1 * q.grad, rtol=0.02, atol=1e-5)
+
+
+def test_fp16_without_torch_support_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("GradScaler is not available for this device")
+
+    monkeypatch.setattr(torch.amp, "GradScaler", unsupported)
+    with pytest.raises(ValueError, match="'fp16' needs autocast and a gradient scaler on 'cpu'"):
+        fit(_mlp(width=16, layers=2), torch.randn(8, 16), "1GiB", _mse, precisions=["fp16"],
+            progress=False)  # fmt: skip
 
 
 def _pairs(a: nn.Module, b: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:

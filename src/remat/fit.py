@@ -13,7 +13,8 @@ predicted step time:
   of N/k examples with gradients equal to the full batch's (:mod:`remat.levers.microbatch`);
 * **plan**: for each (precision, k) the time-optimal remat plan (``optimal-time``, Beaumont et
   al. 2019) under the activation memory left by the rest;
-* **sparsity** (``sparsity=density``, optional): applied, not searched. Masked weights are dense
+* **sparsity** (``density=d``, optional): weights pruned by magnitude to density d, applied
+  to every candidate, not searched. Masked weights are dense
   tensors in PyTorch, so masks *add* one byte per element and a search would never choose them;
   the summary reports what CSR storage of those weights would take (NOTE [ Masks save no
   memory ] in :mod:`remat.levers.sparsity`).
@@ -218,8 +219,8 @@ class FitSetup:
     """Every combination evaluated, in search order."""
     search_seconds: float = 0.0
     """Wall time of the search (captures and planning)."""
-    sparsity: float | None = None
-    """Weight density applied (None: dense)."""
+    density: float | None = None
+    """Weight density applied by magnitude pruning (None: dense weights)."""
     sparse_weight_bytes: tuple[int, int] | None = None
     """``(dense bytes, CSR bytes with int32 indices)`` of the masked weights."""
     _state: _StepState | None = field(default=None, repr=False, compare=False)
@@ -230,7 +231,8 @@ class FitSetup:
         (gradients accumulate to the full batch's), then ``optimizer.step()`` and
         ``zero_grad(set_to_none=True)`` if an optimizer is given. Returns the full-batch loss.
 
-        Without an optimizer the gradients stay in ``.grad`` (as after ``loss.backward()``).
+        Without an optimizer the gradients stay in ``.grad`` (as after ``loss.backward()``),
+        unscaled under fp16 loss scaling too (NOTE [ fp16 gradients without an optimizer ]).
         A batch smaller than the one fitted runs under the same plan; a larger one is refused.
         """
         from remat.levers.microbatch import MicroBatcher
@@ -252,7 +254,27 @@ class FitSetup:
             forward_context=context,
             scaler=state.scaler,
         )
-        return batcher(self.model, batch, optimizer)
+        scaler = state.scaler
+        if optimizer is not None or scaler is None or not scaler.is_enabled():
+            return batcher(self.model, batch, optimizer)
+        # NOTE [ fp16 gradients without an optimizer ]: the scaler multiplies every backward by
+        # its scale S and unscales only inside scaler.step(optimizer). Without an optimizer the
+        # gradients are unscaled here, in place (no extra memory): what .grad held before is
+        # multiplied by S first, so .grad ends as old + new, as after a plain backward. S is a
+        # power of two (GradScaler's default 2**16, halved and doubled), so both are exact;
+        # an overflow leaves inf/NaN in .grad, as an unscaled fp16 backward would.
+        scale = float(scaler.get_scale())
+        parameters = list(state.base_model.parameters())
+        with torch.no_grad():
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        loss = batcher(self.model, batch, None)
+        with torch.no_grad():
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        return loss
 
     # -------------------------------------------------------------- reporting
     def __str__(self) -> str:
@@ -266,7 +288,7 @@ class FitSetup:
             )
             + f" ({self.predicted_peak_bytes} / {self.measured_peak_bytes} B)",
             f"    persistent (parameters, buffers, optimizer {format_bytes(self.optimizer_state_bytes)}"
-            f"{', masks' if self.sparsity is not None else ''}): "
+            f"{', masks' if self.density is not None else ''}): "
             f"{format_bytes(self.persistent_bytes)}; gradients {format_bytes(self.gradient_bytes)}; "
             f"batch {format_bytes(self.batch_bytes)}; activations "
             f"{format_bytes(self.activation_peak_bytes)} per microbatch",
@@ -276,7 +298,7 @@ class FitSetup:
         if self.sparse_weight_bytes is not None:
             dense, csr = self.sparse_weight_bytes
             lines.append(
-                f"  sparsity: density {self.sparsity:g}; masked weights {format_bytes(dense)} "
+                f"  sparsity: density {self.density:g}; masked weights {format_bytes(dense)} "
                 f"dense, {format_bytes(csr)} in CSR (int32 indices) - dense PyTorch saves none "
                 "of it"
             )
@@ -305,8 +327,8 @@ class FitSetup:
             if checkpoints == 0
             else f"{checkpoints} checkpointed segment{'s' if checkpoints > 1 else ''}",
         ]
-        if self.sparsity is not None:
-            parts.append(f"density {self.sparsity:g}")
+        if self.density is not None:
+            parts.append(f"density {self.density:g}")
         return ", ".join(parts)
 
     def table(self) -> str:
@@ -335,7 +357,7 @@ class FitSetup:
             "microbatches": self.microbatches,
             "microbatch_size": self.microbatch_size,
             "batch_size": self.batch_size,
-            "sparsity": self.sparsity,
+            "density": self.density,
             "plan": self.plan.describe(),
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
@@ -401,7 +423,7 @@ def fit(
     optimizer: torch.optim.Optimizer | None = None,
     precisions: Sequence[str] = ("fp32", "bf16"),
     microbatches: Sequence[int] | None = None,
-    sparsity: float | None = None,
+    density: float | None = None,
     stages: Sequence[str] | None = None,
     reduction: str | None = None,
     count: Callable[[Any], Any] | None = None,
@@ -424,8 +446,9 @@ def fit(
         precisions: precision names to search (:data:`PRECISIONS`), in order of preference.
         microbatches: microbatch counts to search (default: every divisor of the batch size,
             ascending; larger counts are skipped once storing every activation fits).
-        sparsity: weight density to apply with magnitude pruning (masks kept through training);
-            not searched (it saves nothing in dense PyTorch).
+        density: fraction of each Linear/Conv weight kept by magnitude pruning (masks kept
+            through training); applied to every candidate, not searched: in dense PyTorch it
+            saves nothing (the masks add one byte per element, and are counted).
         stages: stage boundaries for models that are not cut automatically.
         reduction: ``"mean"`` or ``"sum"``: how the loss reduces over examples (microbatch
             weights). Default: ``"mean"`` with a ``loss_fn``; without one, ``"mean"`` when the
@@ -448,10 +471,12 @@ def fit(
     check_not_wrapped(model, "remat.fit")
     budget_bytes = parse_bytes(budget)
     names = _precision_names(precisions)
+    for name in names:
+        _check_supported(name, _device_type(model))
     n = _batch_size(batch)
     counts = _microbatch_counts(n, microbatches)
     started = time.perf_counter()
-    masks = _prune(model, sparsity)
+    masks = _prune(model, density)
     search = _Search(
         model=model,
         batch=batch,
@@ -530,10 +555,12 @@ def make_setup(
     example = _example_microbatch(batch, microbatches)
     size = _batch_size(example)
     device_type = _device_type(model)
-    planned = apply(model, plan, stages=stages, example=example, replan=_same_plan(plan, size))
+    loss_fn = loss_fn or _default_loss()
+    inputs = _model_inputs(model, loss_fn, example)
+    planned = apply(model, plan, stages=stages, example=inputs, replan=_same_plan(plan, size))
     state = _StepState(
         base_model=model,
-        loss_fn=loss_fn or _default_loss(),
+        loss_fn=loss_fn,
         reduction=reduction,
         count=count,
         device_type=device_type,
@@ -781,7 +808,7 @@ class _Search:
             self.model,
             chosen.plan,
             stages=self.stages,
-            example=example,
+            example=_model_inputs(self.model, self.loss_fn, example),
             replan=_same_plan(chosen.plan, chosen.microbatch_size),
         )
         sparse = None
@@ -830,7 +857,7 @@ class _Search:
             reserve_bytes=reserve,
             precision_factors=tuple(sorted(self.factors.items())),
             candidates=tuple(candidates),
-            sparsity=None if self.masks is None else self.masks.density(),
+            density=None if self.masks is None else self.masks.density(),
             sparse_weight_bytes=sparse,
             _state=state,
         )
@@ -1028,6 +1055,34 @@ def _precision_names(precisions: Sequence[Any]) -> list[str]:
     return names
 
 
+def _check_supported(name: str, device_type: str) -> None:
+    """Refuse a 16-bit precision this torch cannot run on ``device_type``: autocast to its
+    dtype, and for fp16 the gradient scaler (``torch.amp.GradScaler`` on CPU needs torch 2.3+;
+    torch warns and disables autocast for an unsupported dtype rather than failing)."""
+    compute = PRECISIONS[name]
+    if compute is None:
+        return
+    dtype = torch.bfloat16 if compute == "bf16" else torch.float16
+    problem = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autocast(device_type, dtype=dtype):
+                enabled = torch.is_autocast_enabled(device_type)
+            if name == "fp16":
+                torch.amp.GradScaler(device_type)
+        except (RuntimeError, ValueError, TypeError, AttributeError) as err:
+            enabled, problem = False, f"{type(err).__name__}: {err}"
+    problem = problem or "; ".join(str(w.message) for w in caught)
+    if not enabled or problem:
+        what = "autocast and a gradient scaler" if name == "fp16" else "autocast"
+        raise ValueError(
+            f"precision {name!r} needs {what} on {device_type!r}, which torch "
+            f"{torch.__version__} does not provide here ({problem or 'autocast stays off'}); "
+            f"search other precisions, e.g. precisions=('fp32', 'bf16')"
+        )
+
+
 def _microbatch_counts(n: int, microbatches: Sequence[int] | None) -> list[int]:
     if microbatches is None:
         return [k for k in range(1, n + 1) if n % k == 0]
@@ -1039,14 +1094,14 @@ def _microbatch_counts(n: int, microbatches: Sequence[int] | None) -> list[int]:
     return counts
 
 
-def _prune(model: nn.Module, sparsity: float | None) -> Any:
-    if sparsity is None:
+def _prune(model: nn.Module, density: float | None) -> Any:
+    if density is None:
         return None
     from remat.levers import magnitude_prune
 
-    if not 0.0 < sparsity <= 1.0:
-        raise ValueError(f"sparsity is the density of kept weights, in (0, 1]; got {sparsity}")
-    masks = magnitude_prune(model, sparsity)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density is the fraction of weights kept, in (0, 1]; got {density}")
+    masks = magnitude_prune(model, density)
     return masks.attach(None, mask_gradients=True)
 
 
@@ -1131,6 +1186,16 @@ def _same_plan(plan: Plan, size: int) -> Callable[..., Plan]:
         return plan
 
     return replan
+
+
+def _model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` that ``loss_fn(model, batch)`` calls the model with: the input
+    signature the plan is made for (``batch = (x, y)`` with ``model(x)`` inside the loss gives
+    ``((x,), {})``). Found as the capture finds it (a stand-in model that records its call and
+    stops), so the plan's signature is the one its chain was captured at."""
+    from remat.capture import _model_arguments
+
+    return _model_arguments(model, loss_fn, batch)
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
