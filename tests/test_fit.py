@@ -240,6 +240,17 @@ def test_make_setup_runs_a_chosen_combination_with_compressed_activations() -> N
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-6)
 
 
+def test_search_shows_a_progress_bar(capsys: pytest.CaptureFixture) -> None:
+    model = _mlp(width=16, layers=2)
+    fit(model, torch.randn(8, 16), "1GiB", _mse, precisions=["fp32"], microbatches=[1, 2, 4],
+        measure=False, progress=True)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "remat fit" in err and "3/3" in err and "combination" in err
+    fit(model, torch.randn(8, 16), "1GiB", _mse, precisions=["fp32"], measure=False,
+        progress=False)  # fmt: skip
+    assert "remat fit" not in capsys.readouterr().err
+
+
 def test_bad_arguments_are_refused_clearly() -> None:
     model = _mlp(width=16, layers=2)
     batch = torch.randn(8, 16)
