@@ -24,6 +24,24 @@ def test_import_is_lean() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_entry_points_survive_importing_their_submodules() -> None:
+    # `remat.profile`, `remat.capture` and `remat.fit` are functions living in submodules of
+    # the same name; importing those submodules (as remat's own code does) must not replace them
+    code = (
+        "import remat, types\n"
+        "from remat.profile import StepTracker\n"
+        "from remat.capture import capture_chain\n"
+        "from remat.fit import fit\n"
+        "import remat.capture\n"
+        "names = ('profile', 'capture', 'fit', 'apply', 'auto', 'capture_chain')\n"
+        "print([n for n in names if isinstance(getattr(remat, n), types.ModuleType)])\n"
+        "print(remat.fit is fit, remat.capture_chain is capture_chain, callable(remat.profile))\n"
+        "print(remat.zoo.__name__, remat.levers.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:3] == ["[]", "True True True", "remat.zoo remat.levers"]
+
+
 def test_plan_stamps_prediction_and_fingerprint() -> None:
     chain = Chain.random(9, seed=1)
     p = remat.plan(chain, "every-stage")

@@ -62,6 +62,7 @@ def test_categories_add_up_to_the_peak(name):
     assert max(b for _, b in report.timeline) == report.peak_bytes
     params = sum(p.numel() * p.element_size() for p in entry.model.parameters())
     assert report.categories["parameters"] == params
+    assert report.by_category == report.categories  # the name the issue gives
     assert report.warmup_steps == 1
     assert 0 < report.activation_peak_bytes < report.peak_bytes
 

@@ -7,6 +7,8 @@ what to recompute, and apply the plan in one line. The planning core (``Chain``,
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 from remat.api import ParetoPoint, pareto, plan
@@ -59,3 +61,23 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(module_name)
         return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'remat' has no attribute {name!r}")
+
+
+class _RematModule(types.ModuleType):
+    """``remat``'s module type: entry points named like their own submodule (``remat.profile``
+    the function in ``remat/profile.py``, ``remat.capture``, ``remat.fit``) stay the functions.
+
+    Python binds a submodule to its parent's attribute whenever the submodule is first imported
+    (``from remat.profile import StepTracker`` anywhere would turn ``remat.profile`` into the
+    module); this refuses exactly those bindings, so ``remat.profile(model, batch)`` works
+    whatever was imported before. Import the submodules by name: ``from remat.profile import
+    MemoryReport``.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name, ("", None))[1] is not None:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _RematModule

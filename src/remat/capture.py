@@ -16,8 +16,11 @@ one on the real activations (each stage's input is the previous stage's output, 
 * ``bwd_overhead_bytes``: the highest activation-side bytes during the backward minus what
   was live before it, minus the output's gradient ``δ[i]`` (ones, made inside the backward
   and freed when consumed, as in a whole step) and minus the input gradient ``δ[i-1]``
-  (``out_bytes[i-1]``): the simulator counts both gradients itself. Negative when autograd
-  frees saved tensors and ``δ[i]`` before the peak (docs/cost-model.md);
+  (``out_bytes[i-1]``): the simulator counts both gradients itself; and minus the output's
+  bytes when the stage's own backward does not keep its output (a linear layer, GELU, a
+  residual add): the simulator holds ``a[i]`` until ``B_i``, but in a whole step it is freed
+  before (by the next stage's backward). Negative when autograd frees saved tensors and
+  ``δ[i]`` before the peak (docs/cost-model.md);
 * ``fwd_time``, ``bwd_time``: median of ``repeats`` runs (``time.perf_counter``, CUDA
   synchronised); with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``
   instead (``time_unit="flop"``);
@@ -95,6 +98,9 @@ class StageCost:
     """Highest activation-side bytes of the backward minus what was live before it and minus
     the output's gradient ``δ[i]`` (which the simulator counts as live already); negative when
     the backward frees more before its peak than it allocates."""
+    unsaved_out_bytes: int
+    """Bytes of the new output that the stage's own backward does not keep (a linear layer's
+    or GELU's output): in a whole step they are freed before this backward runs."""
     fwd_time: float
     """Forward seconds (median) or FLOPs."""
     bwd_time: float
@@ -262,9 +268,14 @@ def _measure_chain(
     bwd_overhead = []
     for i, cost in enumerate(costs):
         grad_in = outs[i - 1] if i > 0 else 0
+        # The simulator holds a[i] until B_i; in a whole step an output the stage's backward
+        # does not need is gone by then (the next stage's backward, or the end of the
+        # checkpointed segment that took it as input, released it). The last stage's output
+        # is the loss.
+        gone = cost.unsaved_out_bytes if i < len(costs) - 1 else 0
         # may be negative: the backward frees saved tensors and δ[i] before its peak (Chain)
         floor = -(cost.saved_bytes + cost.out_bytes)
-        bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in))
+        bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in - gone))
     return Chain(
         fwd_time=[c.fwd_time for c in costs],
         bwd_time=[c.bwd_time for c in costs],
@@ -372,6 +383,7 @@ def measure_stage(
         saved_bytes=saved_bytes,
         fwd_overhead_bytes=max(0, fwd_peak - saved_bytes),
         bwd_peak_bytes=bwd_peak,
+        unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
         fwd_time=fwd_time,
         bwd_time=bwd_time,
     )

@@ -204,6 +204,11 @@ class MemoryReport:
         object.__setattr__(self, "timeline", tuple((str(a), int(b)) for a, b in self.timeline))
 
     @property
+    def by_category(self) -> dict[str, int]:
+        """Bytes at the step's peak by category (the same dict as :attr:`categories`)."""
+        return self.categories
+
+    @property
     def fixed_bytes(self) -> int:
         """Parameters + buffers + gradients + optimizer state at the peak."""
         c = self.categories
