@@ -342,7 +342,7 @@ class FitSetup:
                 f"{c.precision:<9} {c.microbatches:>4} {c.microbatch_size:>5} "
                 f"{format_bytes(c.min_peak_bytes):>12} {format_bytes(c.unplanned_peak_bytes):>12} "
                 f"{'yes' if c.fits else 'no':>4} "
-                f"{format_bytes(c.predicted_peak_bytes) if c.fits else '-':>12} "
+                f"{format_bytes(c.predicted_peak_bytes) if c.predicted_peak_bytes is not None else '-':>12} "
                 f"{format_time(c.predicted_time) if c.predicted_time is not None else '-':>10}"
             )
         return "\n".join(rows)
@@ -580,7 +580,7 @@ def make_setup(
         microbatches=microbatches,
         microbatch_size=size,
         batch_size=n,
-        chain=Chain(fwd_time=[0.0], bwd_time=[0.0], out_bytes=[0], saved_bytes=[0]),
+        chain=Chain(fwd_time=(0.0,), bwd_time=(0.0,), out_bytes=(0,), saved_bytes=(0,)),
         budget_bytes=0,
         predicted_peak_bytes=0,
         predicted_time=0.0,
