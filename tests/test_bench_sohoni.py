@@ -118,3 +118,22 @@ def test_report_files(tmp_path, wrn_rows: list[dict]) -> None:
     for r in wrn_rows:
         assert r["method"] in text
     assert (tmp_path / "sohoni-wrn-28-2.png").stat().st_size > 1000
+
+
+def test_fake_rows_without_the_optimizer_equal_a_fake_step_with_it() -> None:
+    """NOTE [ Fake rows without the optimizer ]: with SGD (which fake tensors can step) the
+    autocast row equals remat.profile's fake step with the optimizer, category by category."""
+    from remat.profile import profile
+
+    bench = _bench("wrn-28-2", 8, depth=10, widen=1, image_size=16)
+    bench.measure(sohoni.levers_for(True)[0])  # the real fp32 row first
+    row = bench.measure(sohoni.Lever("autocast bf16", compute="bf16"))
+
+    def loss_fn(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return bench.loss_fn(model, batch)
+
+    direct = profile(bench.model, bench.batch, loss_fn, bench.optimizer, fake=True)
+    assert row["peak_bytes"] == direct.peak_bytes
+    for c, nbytes in direct.categories.items():
+        assert row[f"{c}_bytes"] == nbytes, c

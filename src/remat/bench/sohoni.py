@@ -271,6 +271,8 @@ class Workbench:
         self._captured: dict[int, Any] = {}
         self._masks: Any = None
         self.base_time: float | None = None
+        # highest live bytes during optimizer.step() of the first real (fp32) step measured
+        self._phases: dict[str, int] = {}
 
     # -------------------------------------------------------------- chains and plans
     def captured(self, k: int) -> Any:
@@ -362,15 +364,22 @@ class Workbench:
                 # the per-microbatch callers (_Call) are gone when MemTracker's backward hooks
                 # fire; it says so and skips them (their bytes are still counted)
                 warnings.filterwarnings("ignore", message="Module is None")
-                report = profile(
-                    module, self.batch, loss_fn, self.optimizer, fake=fake, timeline=False
-                )
+                if fake:
+                    peak, categories, note = self._fake_step(module, loss_fn)
+                    row["measured_by_note"] = note
+                else:
+                    report = profile(
+                        module, self.batch, loss_fn, self.optimizer, timeline=not self._phases
+                    )
+                    peak, categories = report.peak_bytes, dict(report.categories)
+                    row["peak_label"] = report.peak_label
+                    if not self._phases:
+                        self._phases = _optimizer_phase(report)
         finally:
             if lever.masks:
                 masks.detach()
-        categories = dict(report.categories)
         categories["masks"] = masks.mask_bytes() if lever.masks else 0
-        peak = report.peak_bytes + categories["masks"]
+        peak += categories["masks"]
         if lever.sparse_csr:
             saved = csr
             for key, nbytes in saved.items():
@@ -379,7 +388,6 @@ class Workbench:
             row["csr_saved_bytes"] = sum(saved.values())
         row["peak_bytes"] = peak
         row.update({f"{c}_bytes": categories[c] for c in CATEGORIES})
-        row["peak_label"] = report.peak_label
         row["measured_by"] = (
             "remat.profile, fake tensors" if fake else "remat.profile, real tensors"
         ) + (" + CSR counted" if lever.sparse_csr else "")
@@ -393,6 +401,37 @@ class Workbench:
                 "; compression's conversions not counted" if lever.saved else ""
             )
         return row
+
+    def _fake_step(
+        self, module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    ) -> tuple[int, dict[str, int], str]:
+        """NOTE [ Fake rows without the optimizer ]: :func:`remat.profile` on fake tensors
+        cannot run ``Adam.step()`` once its state exists (its ``step`` counter becomes a fake
+        tensor and Adam reads it with ``.item()``). So fake rows run forward and backward only
+        and add what the optimizer contributes, both exact: its state (constant through the
+        step, unique storages) to every moment, and the highest live bytes of the fp32 step's
+        ``optimizer.step()`` phase (the same under autocast, whose master weights, gradients
+        and state are fp32) as a lower bound of the peak; when that phase is the higher, the
+        difference is booked as temporaries."""
+        from remat.measure import unique_storage_bytes
+        from remat.profile import profile
+
+        if not self._phases:
+            raise RuntimeError("measure a real (fp32) row first: fake rows reuse its phases")
+        state = [
+            v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+        ]
+        state_bytes = unique_storage_bytes(state)
+        report = profile(module, self.batch, loss_fn, None, fake=True, timeline=False)
+        categories = dict(report.categories)
+        categories["optimizer"] += state_bytes
+        peak = report.peak_bytes + state_bytes
+        note = "fake tensors; forward+backward measured, optimizer state added"
+        if self._phases["optimizer"] > peak:
+            categories["temporaries"] += self._phases["optimizer"] - peak
+            peak = self._phases["optimizer"]
+            note += "; the peak is the fp32 step's optimizer phase"
+        return peak, categories, note
 
     def _step_loss(
         self, module: nn.Module, lever: Lever, stats: list[Any]
@@ -429,6 +468,12 @@ class Workbench:
             return loss
 
         return step_loss
+
+
+def _optimizer_phase(report: Any) -> dict[str, int]:
+    """``{"optimizer": highest live bytes during optimizer.step()}`` from a report's timeline."""
+    live = [b for label, b in report.timeline if label.startswith("optimizer")]
+    return {"optimizer": max(live, default=0)}
 
 
 class _Call(nn.Module):
