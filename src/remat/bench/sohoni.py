@@ -313,11 +313,12 @@ class Workbench:
 
     # -------------------------------------------------------------- sparsity
     def prune(self, density: float) -> Any:
-        """Prune the prunable weights to ``density`` in place (once); returns the masks."""
+        """Prune the weights of :func:`prunable` to ``density`` in place, each weight to that
+        density (once); returns the masks."""
         from remat.levers import magnitude_prune
 
         if self._masks is None:
-            self._masks = magnitude_prune(self.model, density)
+            self._masks = magnitude_prune(prunable(self.model), density)
         return self._masks
 
     def csr_savings(self, density: float) -> dict[str, int]:
@@ -468,6 +469,21 @@ class Workbench:
             return loss
 
         return step_loss
+
+
+def prunable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """:func:`remat.levers.prunable_parameters` (Linear, Bilinear, Conv weights) plus the
+    weights of Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections, which are
+    matmuls but not ``nn.Linear``, so ``prunable_parameters`` misses them)."""
+    from remat.levers import prunable_parameters
+
+    found = dict(prunable_parameters(model))
+    for module_name, module in model.named_modules():
+        if type(module).__name__ == "Conv1D" and isinstance(
+            getattr(module, "weight", None), nn.Parameter
+        ):
+            found[f"{module_name}.weight"] = module.weight
+    return found
 
 
 def _optimizer_phase(report: Any) -> dict[str, int]:
