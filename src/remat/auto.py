@@ -152,6 +152,7 @@ def plan_for_total_budget(
     budget: int | str | None,
     method: str = "optimal-time",
     grad_bytes: Sequence[int] | None = None,
+    grad_rise_bytes: Sequence[int] | None = None,
 ) -> Plan:
     """Plan ``chain`` so that the whole training step's peak fits ``budget``.
 
@@ -161,7 +162,9 @@ def plan_for_total_budget(
     gradient bytes each stage's backward allocates, :func:`stage_grad_bytes`), the step's total
     peak is evaluated exactly over the plan's timeline (:func:`total_peak_bytes`: gradients
     appear as the backward reaches their stage) and the largest activation budget whose plan
-    fits is used — a lower, still honest, reading of the same budget.
+    fits is used — a lower, still honest, reading of the same budget. ``grad_rise_bytes``
+    (:attr:`remat.capture.Captured.grad_rise_bytes`) makes that evaluation exact during each
+    stage's backward.
 
     With ``budget=None``: the plan with the least activation peak whose predicted time is at
     most the unplanned time plus one extra forward.
@@ -175,7 +178,9 @@ def plan_for_total_budget(
     activation_budget = total - fixed
     if grad_bytes is not None:
         persistent = fixed - sum(grad_bytes)
-        return _largest_fitting_plan(chain, persistent, list(grad_bytes), total, method)
+        return _largest_fitting_plan(
+            chain, persistent, list(grad_bytes), total, method, grad_rise_bytes
+        )
     if activation_budget <= chain.input_bytes:
         raise BudgetTooSmallError(
             total,
@@ -192,23 +197,41 @@ def plan_for_total_budget(
         ) from None
 
 
-def total_peak_bytes(chain: Chain, plan: Plan, persistent: int, grad_bytes: Sequence[int]) -> int:
+def total_peak_bytes(
+    chain: Chain,
+    plan: Plan,
+    persistent: int,
+    grad_bytes: Sequence[int],
+    grad_rise_bytes: Sequence[int] | None = None,
+) -> int:
     """The whole step's predicted peak: ``persistent`` bytes (parameters, buffers, optimizer
     state) + the parameter gradients made so far + the plan's live activation bytes, maximised
-    over the simulated timeline (a stage's gradients count from its first backward on)."""
+    over the simulated timeline. A stage's gradients count from its first backward on: during
+    that backward they add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`:
+    a weight gradient is often made after the backward's activation peak), after it all of
+    ``grad_bytes[i]``; without ``grad_rise_bytes``, all of it during the backward too."""
+    rise = list(grad_bytes) if not grad_rise_bytes else list(grad_rise_bytes)
     made = [False] * chain.n
     grads = 0
     peak = 0
     for event in simulate(chain, plan).timeline:
         if event.op == "B" and not made[event.stage - 1]:
             made[event.stage - 1] = True
+            peak = max(peak, persistent + grads + rise[event.stage - 1] + event.peak_bytes)
             grads += grad_bytes[event.stage - 1]
+            peak = max(peak, persistent + grads + event.live_bytes)
+            continue
         peak = max(peak, persistent + grads + event.peak_bytes)
     return max(peak, persistent + sum(grad_bytes) + chain.input_bytes)
 
 
 def _largest_fitting_plan(
-    chain: Chain, persistent: int, grad_bytes: list[int], total: int, method: str
+    chain: Chain,
+    persistent: int,
+    grad_bytes: list[int],
+    total: int,
+    method: str,
+    grad_rise_bytes: Sequence[int] | None = None,
 ) -> Plan:
     """Binary search on the activation budget for the largest one whose plan's total peak
     (:func:`total_peak_bytes`) fits ``total``; each candidate is checked exactly."""
@@ -220,7 +243,8 @@ def _largest_fitting_plan(
             candidate = make_plan(chain, method, activation_budget)
         except BudgetTooSmallError:
             return None
-        ok = total_peak_bytes(chain, candidate, persistent, grad_bytes) <= total
+        predicted = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
+        ok = predicted <= total
         return candidate if ok else None
 
     lo = max(0, total - persistent - sum(grad_bytes))  # the safe reading
@@ -322,11 +346,12 @@ def auto(
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
-    chosen = plan_for_total_budget(chain, fixed, budget, method, grads)
+    rises = captured.grad_rise_bytes
+    chosen = plan_for_total_budget(chain, fixed, budget, method, grads, rises)
 
     def replan(new_batch: Any) -> Plan:
-        new_chain = capture(model, new_batch, loss_fn=loss_fn, stages=stages).chain
-        return plan_for_total_budget(new_chain, fixed, budget, method, grads)
+        new = capture(model, new_batch, loss_fn=loss_fn, stages=stages)
+        return plan_for_total_budget(new.chain, fixed, budget, method, grads, new.grad_rise_bytes)
 
     planned = apply(model, chosen, stages=captured.stages, replan=replan)
     none = simulate(chain, Plan.none(chain))
@@ -342,7 +367,7 @@ def auto(
         unplanned_activation_peak_bytes=none.peak_bytes,
         predicted_time=sim.total_time,
         unplanned_time=none.total_time,
-        predicted_peak_bytes=total_peak_bytes(chain, chosen, persistent, grads),
-        unplanned_peak_bytes=total_peak_bytes(chain, Plan.none(chain), persistent, grads),
+        predicted_peak_bytes=total_peak_bytes(chain, chosen, persistent, grads, rises),
+        unplanned_peak_bytes=total_peak_bytes(chain, Plan.none(chain), persistent, grads, rises),
     )
     return planned, summary

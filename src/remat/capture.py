@@ -82,6 +82,10 @@ class Captured:
     """Per-stage costs (the loss folded into the last stage)."""
     stages: Stages
     """The model's stages (real modules, for :func:`remat.runtime.apply`)."""
+    grad_rise_bytes: tuple[int, ...] = ()
+    """Per stage, how much the parameter gradients its backward makes raise that backward's
+    peak (0 when they appear after it, at most their size when they are all live at it). The
+    whole-step prediction (:func:`remat.auto.total_peak_bytes`) uses it; empty when unknown."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class StageCost:
     unsaved_out_bytes: int
     """Bytes of the new output that the stage's own backward does not keep (a linear layer's
     or GELU's output): in a whole step they are freed before this backward runs."""
+    grad_rise_bytes: int
+    """How much the parameter gradients the backward makes raise its peak."""
     fwd_time: float
     """Forward seconds (median) or FLOPs."""
     bwd_time: float
@@ -138,21 +144,25 @@ def capture(
     split = split_stages(model, stages)
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            chain = _measure_chain(model, split, fake_batch, loss_fn, True, repeats, progress)
+            chain, rises = _measure_chain(
+                model, split, fake_batch, loss_fn, True, repeats, progress
+            )
     else:
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         grads = {p: p.grad for p in model.parameters()}
         devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
         try:
             with torch.random.fork_rng(devices=devices):
-                chain = _measure_chain(model, split, batch, loss_fn, False, repeats, progress)
+                chain, rises = _measure_chain(
+                    model, split, batch, loss_fn, False, repeats, progress
+                )
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split)
+    return Captured(chain, split, rises)
 
 
 # ---------------------------------------------------------------------- implementation
@@ -218,7 +228,7 @@ def _measure_chain(
     fake: bool,
     repeats: int,
     progress: bool,
-) -> Chain:
+) -> tuple[Chain, tuple[int, ...]]:
     from tqdm.auto import tqdm
 
     args, kwargs = _model_arguments(model, loss_fn, batch)
@@ -276,7 +286,7 @@ def _measure_chain(
         # may be negative: the backward frees saved tensors and δ[i] before its peak (Chain)
         floor = -(cost.saved_bytes + cost.out_bytes)
         bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in - gone))
-    return Chain(
+    chain = Chain(
         fwd_time=[c.fwd_time for c in costs],
         bwd_time=[c.bwd_time for c in costs],
         out_bytes=outs,
@@ -287,6 +297,7 @@ def _measure_chain(
         names=split.names,
         time_unit="flop" if fake else "s",
     )
+    return chain, tuple(c.grad_rise_bytes for c in costs)
 
 
 def measure_stage(
@@ -349,6 +360,8 @@ def measure_stage(
             if seed is not None:
                 seed.backward()
         bwd_peak = tracker.window_peak - start_bwd - grad_bytes
+        # parameter gradients start at None (reset), so the two windows share their base
+        grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
         del seed
     next_input = tree_map_only(torch.Tensor, _fresh_leaf, out)
     del out, out_tensors
@@ -384,6 +397,7 @@ def measure_stage(
         fwd_overhead_bytes=max(0, fwd_peak - saved_bytes),
         bwd_peak_bytes=bwd_peak,
         unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
+        grad_rise_bytes=grad_rise,
         fwd_time=fwd_time,
         bwd_time=bwd_time,
     )

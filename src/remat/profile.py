@@ -385,6 +385,7 @@ class StepTracker(MemTracker):
         self._root_prefix = f"{type(root).__name__}." if root is not None else ""
         # activation-side bytes and phase of every sample; storages created (sample index, tag)
         self._activation: list[int] = []
+        self._with_grads: list[int] = []  # activation-side + parameter gradients
         self._counts: list[bool] = []
         self._created: dict[Any, tuple[int, Any]] = {}
         # (first sample, end sample, bytes, tag at creation) of storages that became gradients
@@ -401,6 +402,11 @@ class StepTracker(MemTracker):
     def window_peak(self) -> int:
         """Highest activation-side bytes since :meth:`reset_window`."""
         return self._corrected_max(self._window_start, len(self._activation), phases_only=False)
+
+    @property
+    def window_peak_with_grads(self) -> int:
+        """Highest activation-side plus parameter-gradient bytes since :meth:`reset_window`."""
+        return max(self._with_grads[self._window_start :], default=0)
 
     def live_bytes(self) -> int:
         """All live tracked bytes now."""
@@ -499,6 +505,7 @@ class StepTracker(MemTracker):
         if self.record_timeline:
             self.timeline.append((self._label(parents), total))
         self._activation.append(self.activation_bytes())
+        self._with_grads.append(self._activation[-1] + self._tag_bytes(_MemRefType.GRAD))
         self._counts.append(self.phase in ("forward", "backward"))
 
     def _corrected_max(self, lo: int, hi: int, phases_only: bool) -> int:

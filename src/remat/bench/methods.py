@@ -51,6 +51,8 @@ class Workload:
     """Parameters + gradients + buffers + Adam state."""
     grad_bytes: list[int] = field(default_factory=list)
     """Parameter-gradient bytes per stage (:func:`remat.auto.stage_grad_bytes`)."""
+    grad_rise_bytes: tuple[int, ...] = ()
+    """How much each stage's gradients raise its backward's peak (capture's measurement)."""
 
 
 @dataclass
@@ -179,7 +181,12 @@ def remat_setup(
             p = make_plan(work.chain, method)
         else:
             p = plan_for_total_budget(
-                work.chain, work.fixed_bytes, total_budget, method, work.grad_bytes or None
+                work.chain,
+                work.fixed_bytes,
+                total_budget,
+                method,
+                work.grad_bytes or None,
+                work.grad_rise_bytes,
             )
     except BudgetTooSmallError as err:
         return Setup(name, None, family="remat", error=str(err))
@@ -191,7 +198,9 @@ def remat_setup(
         name,
         module,
         family="remat",
-        predicted_peak_bytes=total_peak_bytes(work.chain, p, persistent, work.grad_bytes),
+        predicted_peak_bytes=total_peak_bytes(
+            work.chain, p, persistent, work.grad_bytes, work.grad_rise_bytes
+        ),
         notes={
             "plan": p.describe(),
             "planner": method,

@@ -74,6 +74,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
     opt = torch.optim.Adam(entry.model.parameters())
     work.fixed_bytes = fixed_bytes(entry.model, opt)
     work.grad_bytes = stage_grad_bytes(captured.stages)
+    work.grad_rise_bytes = captured.grad_rise_bytes
     return work
 
 
