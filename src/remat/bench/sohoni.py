@@ -17,7 +17,10 @@ real tensors (the CPU allocator does not round), with the live bytes at the peak
 ``temporaries`` (they add up to ``peak_bytes``), plus ``masks`` (sparsity masks, which exist
 before the step and are added to the peak). Rows under autocast are measured on fake tensors
 (``FakeTensorMode``: the same bytes, nothing computed), because this CPU has no bf16/fp16
-matrix instructions. ``memory_ratio`` = peak / the unplanned fp32 step's peak.
+matrix instructions: forward and backward only, plus the optimizer's exact state (NOTE [ Fake
+rows without the optimizer ]). ``memory_ratio`` = peak / the unplanned fp32 step's peak.
+Microbatched steps call the model k times in one step, which ``MemTracker`` refuses for a
+root module; each microbatch calls it through a fresh wrapper module.
 
 The levers (``remat.levers``, ``remat.plan``, ``remat.apply``):
 
@@ -52,6 +55,10 @@ Known limitations:
       scaler adds a few scalar tensors.
     * The CSR rows are counted, not trained: PyTorch has no sparse convolution.
     * Batch norm under microbatching normalises each microbatch by its own statistics.
+    * Hugging Face ``Conv1D`` weights are pruned through :func:`prunable`
+      (:func:`remat.levers.prunable_parameters` misses them); GPT-2's tied embedding is pruned
+      with its ``lm_head``.
+    * No step time is measured; the CPU's timings of 16-bit compute would be meaningless.
 """
 
 from __future__ import annotations
@@ -71,11 +78,17 @@ __all__ = [
     "DEFAULT_MODELS",
     "NOTES",
     "PAPER_RATIOS",
+    "CATEGORIES",
+    "MODEL_SETTINGS",
+    "ModelSetting",
     "Lever",
     "Workbench",
+    "levers_for",
+    "rows_for",
+    "workbench",
+    "prunable",
     "suite",
     "write_report",
-    "MODEL_SETTINGS",
 ]
 
 #: WRN-28-2 at CIFAR-10 shape, and a small decoder-only Transformer at DynamicConv's IWSLT'14
@@ -289,7 +302,6 @@ class Workbench:
         """The remat plan of ``kind`` for the microbatch shape (``None``: store everything)."""
         from remat.api import plan as make_plan
         from remat.planners.optimal_time import min_feasible_peak
-        from remat.plans import Plan
 
         chain = self.captured(k).chain
         if kind is None:
@@ -299,7 +311,6 @@ class Workbench:
         if kind == "one-extra-forward":
             return _within_one_forward(chain)
         raise ValueError(f"plan kind must be 'least-memory' or 'one-extra-forward', got {kind!r}")
-        return Plan.none(chain)  # pragma: no cover
 
     def predicted_time_ratio(self, lever: Lever) -> float:
         """Simulated (FLOP) time of the row's plan times k over the unplanned step's."""
