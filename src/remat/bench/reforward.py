@@ -33,8 +33,8 @@ Every row has ``model``, ``method``, ``part``, ``peak_bytes``, ``memory_ratio`` 
 
 Example::
 
-    remat bench reforward --out docs/results/reforward          # 15 models, ~30 min on 2 cores
-    remat bench reforward --quick --out /tmp/rf                  # alexnet at batch 16, ~1 min
+    remat bench reforward --out docs/results/reforward          # 15 models, ~45 min on 2 shared cores
+    remat bench reforward --quick --out /tmp/rf                  # alexnet at batch 16, ~2 min
 
 Known limitations:
     * Memory at the paper's sizes is simulated (exact bytes of the captured costs); the executor
