@@ -331,7 +331,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"* Levers: {r['levers']}.",
             f"* Plan: `{lv.get('plan', '')}`; final density {lv.get('density', 0):.4f}.",
             f"* Machine: {m['processor']}, {m['cpus']} CPUs, {m['threads']} torch thread(s), "
-            f"torch {m['torch']}, Python {m['python']}, {m['date']}; {m['note']}. Both runs "
+            f"torch {m['torch']}, Python {m['python']}, {m['date']}; {m['note']}. All runs "
             f"took {r['wall_seconds'] / 60:.1f} min.",
             "",
             "| run | test accuracy | step peak (measured) | step peak, CSR counted | train time |",
