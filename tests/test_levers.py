@@ -782,3 +782,14 @@ def test_offload_lowers_device_memory_on_cuda(exclude_parameters):
     plain, offloaded = after_forward(False), after_forward(True)
     assert plain - offloaded >= 0.9 * saved.peak_bytes
     assert_grads_close(grads(model), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_prunable_parameters_include_hugging_face_conv1d():
+    pytest.importorskip("transformers")
+    from remat import zoo
+
+    entry = zoo.get("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, seq_len=8, batch_size=1)
+    names = set(prunable_parameters(entry.model))
+    assert any(n.endswith("attn.c_attn.weight") for n in names)
+    assert any(n.endswith("mlp.c_fc.weight") for n in names)
+    assert not any(n.endswith(".bias") for n in names)

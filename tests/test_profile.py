@@ -225,3 +225,16 @@ def test_command_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="PNG"):
         command.run(args)
     assert main(["profile", "no-such-model"]) == 2
+
+
+def test_fake_profile_with_adam_state_already_made():
+    # Adam's `step` counter is a 0-d tensor read with .item(): it must stay real under fake mode
+    entry = _entry("mlp-chain")
+    opt = torch.optim.Adam(entry.model.parameters(), lr=0.0)
+    entry.loss_fn(entry.model, entry.batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    real = profile(entry.model, entry.batch, entry.loss_fn, opt)
+    fake = profile(entry.model, entry.batch, entry.loss_fn, opt, fake=True)
+    assert real.peak_bytes == fake.peak_bytes
+    assert real.categories == fake.categories

@@ -572,14 +572,16 @@ def fake_step(
                     originals.append((table, name, t))
                     table[name] = fake_of(t)
         fake_batch = tree_map_only(torch.Tensor, fake_of, batch)
-        yield mode, fake_batch, _fake_optimizer(optimizer, fake_of)
+        yield mode, fake_batch, _fake_optimizer(optimizer, fake_of, mode)
     finally:
         for table, name, t in reversed(originals):
             table[name] = t
 
 
 def _fake_optimizer(
-    optimizer: torch.optim.Optimizer | None, fake_of: Callable[[torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer | None,
+    fake_of: Callable[[torch.Tensor], torch.Tensor],
+    mode: Any,
 ) -> torch.optim.Optimizer | None:
     if optimizer is None:
         return None
@@ -597,9 +599,19 @@ def _fake_optimizer(
             f"cannot rebuild {type(optimizer).__name__} over fake parameters ({err}); profile "
             "with fake=False or without the optimizer"
         ) from err
+
+    def scalar(v: torch.Tensor) -> torch.Tensor:
+        # made inside the mode, a 0-d tensor is a fake that knows its value, so the step can
+        # read it with .item() (Adam's `step` counter); from_tensor would forget the value
+        value = v.item()
+        with mode:
+            return torch.tensor(value, dtype=v.dtype, device=v.device)
+
     for p, state in optimizer.state.items():
         new.state[fake_of(p)] = {
-            k: deepcopy(v) if not isinstance(v, torch.Tensor) else fake_of(v)
+            k: (fake_of(v) if v.dim() > 0 else scalar(v))
+            if isinstance(v, torch.Tensor)
+            else deepcopy(v)
             for k, v in state.items()
         }
     return new

@@ -183,10 +183,12 @@ class WeightMasks:
 
 
 def prunable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The weights of Linear, Bilinear and Conv layers (biases and norms are left dense)."""
+    """The weights of Linear, Bilinear and Conv layers, and of Hugging Face's ``Conv1D`` (GPT-2's
+    attention and MLP projections); biases and norms are left dense."""
     found: dict[str, nn.Parameter] = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, _PRUNABLE) and isinstance(module.weight, nn.Parameter):
+        prunable = isinstance(module, _PRUNABLE) or type(module).__name__ == "Conv1D"
+        if prunable and isinstance(getattr(module, "weight", None), nn.Parameter):
             found[f"{module_name}.weight" if module_name else "weight"] = module.weight
     return found
 
