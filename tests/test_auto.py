@@ -140,18 +140,54 @@ def test_auto_replans_on_a_new_batch_shape() -> None:
     torch.testing.assert_close(out, entry.model(bigger))
 
 
-def test_auto_on_a_model_it_cannot_split_says_what_to_do() -> None:
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 8)
-            self.b = nn.Linear(8, 8)
+class Branchy(nn.Module):
+    """Not a chain: two branches meet in a product."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.a(x) * self.b(x)
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.a = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 4)
 
-    with pytest.raises(UnsupportedModelError, match="name the stage boundaries"):
-        auto(Branchy(), torch.randn(4, 8))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) * self.b(h))
+
+
+@pytest.mark.parametrize("budget_fraction", [None, 0.8])
+def test_auto_plans_a_model_that_is_not_a_chain_as_a_graph(budget_fraction) -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(4096, 32)
+    reference = {n: g for n, g in _grads(model, x).items()}
+    budget = None
+    if budget_fraction is not None:
+        unplanned = profile(model, x).peak_bytes
+        budget = int(budget_fraction * unplanned)
+    with pytest.warns(UserWarning, match="not a chain"):
+        planned, summary = auto(model, x, budget=budget)
+    assert "graph" in str(summary)
+    assert summary.method == ("reforward" if budget is None else "checkmate-milp")
+    if budget is not None:
+        assert summary.predicted_peak_bytes <= budget
+        assert summary.predicted_activation_peak_bytes < summary.unplanned_activation_peak_bytes
+        assert profile(planned, x).peak_bytes <= budget  # measured, the whole step
+    for name, grad in _grads(planned, x).items():
+        torch.testing.assert_close(grad, reference[name.removeprefix("model.")])
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    module(x).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_auto_with_named_stages_that_do_not_split_says_what_to_do() -> None:
+    with pytest.raises(UnsupportedModelError):
+        auto(Branchy(), torch.randn(4, 32), stages=["stem", "head"])
 
 
 def test_apply_and_auto_refuse_a_wrapped_model_and_say_the_order() -> None:

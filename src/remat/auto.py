@@ -12,8 +12,12 @@ Example:
     >>> print(summary)  # doctest: +SKIP
 
 Known limitations: the batch shape is part of the plan (a new shape re-plans, through the
-``replan`` hook of :class:`remat.runtime.PlannedModule`); models that cannot be split into
-stages raise :class:`remat.stages.UnsupportedModelError` with what to do.
+``replan`` hook of :class:`remat.runtime.PlannedModule`). A model that cannot be split into
+stages (branches, skips across blocks) is planned as a module graph instead, with a warning:
+``checkmate-milp`` under the budget, Re-forwarding without one, run by the graph executor
+(that path counts every parameter gradient for the whole backward, and its plan is made for
+the batch shape it was captured at). With ``stages=`` named, a model that does not split raises
+:class:`remat.stages.UnsupportedModelError` with what to do.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import nn
 from remat.costs import Chain
 from remat.plans import Plan
 from remat.simulate import simulate
+from remat.stages import UnsupportedModelError
 from remat.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -47,9 +52,10 @@ class AutoSummary:
     method: str
     """Planner used."""
     plan: Plan
-    """The plan applied."""
+    """The plan applied (a :class:`remat.graphs.GraphPlan` when the model is not a chain)."""
     chain: Chain
-    """The measured chain the plan was made for."""
+    """The measured chain the plan was made for (a :class:`remat.graphs.Graph` when the
+    model is not a chain)."""
     budget_bytes: int | None
     """The total budget asked for (None: least memory at <= one extra forward)."""
     fixed_bytes: int
@@ -81,9 +87,14 @@ class AutoSummary:
         plan_text = self.plan.describe()
         if len(plan_text) > 70:
             plan_text = plan_text[:67] + "..."
+        size = (
+            f"{self.chain.n} stages"
+            if isinstance(self.chain, Chain)
+            else f"a graph of {len(self.chain.nodes)} nodes (not a chain)"
+        )
         return "\n".join(
             [
-                f"remat.auto: {self.chain.n} stages, planner {self.method!r}, budget {budget}",
+                f"remat.auto: {size}, planner {self.method!r}, budget {budget}",
                 f"  fixed (params, grads, buffers, optimizer): {format_bytes(self.fixed_bytes)}",
                 f"  activations: {format_bytes(self.unplanned_activation_peak_bytes)} -> "
                 f"{format_bytes(self.predicted_activation_peak_bytes)}",
@@ -321,6 +332,67 @@ def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
     return best
 
 
+def _auto_graph(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    budget: int | str | None,
+    optimizer: torch.optim.Optimizer | None,
+    why: str,
+) -> tuple[nn.Module, AutoSummary]:
+    """:func:`auto` for a model that is not a chain: capture its module graph, plan it with
+    ``checkmate-milp`` under the activation budget (``budget`` minus everything no plan
+    changes, every parameter gradient counted: the safe reading), or, without a budget, take
+    Re-forwarding's least-memory plan when it costs at most one extra forward (else the
+    unplanned one), and run it with the graph executor (docs/graph-executor.md)."""
+    import warnings
+
+    from remat.graphs import GraphPlan, plan_graph, simulate_graph
+    from remat.graphs.capture import capture_graph
+    from remat.graphs.runtime import apply_graph
+    from remat.planners import BudgetTooSmallError
+
+    warnings.warn(
+        f"remat.auto: the model is not a chain of stages ({why.splitlines()[0]}); planning its "
+        "module graph instead (checkmate-milp / reforward, graph executor)",
+        stacklevel=3,
+    )
+    graph = capture_graph(model, batch, loss_fn=loss_fn, level="module")
+    fixed = fixed_bytes(model, optimizer)
+    none = simulate_graph(graph, GraphPlan.none())
+    if budget is None:
+        method = "reforward"
+        chosen = plan_graph(graph, method)
+        forward = sum(node.fwd_time for node in graph.nodes)
+        if simulate_graph(graph, chosen).total_time > none.total_time + forward:
+            method, chosen = "none", GraphPlan.none()
+    else:
+        method = "checkmate-milp"
+        total = parse_bytes(budget)
+        try:
+            chosen = plan_graph(graph, method, max(0, total - fixed))
+        except BudgetTooSmallError as err:
+            raise BudgetTooSmallError(
+                total, fixed + err.minimum_bytes, method, "total training-step peak (graph)"
+            ) from None
+    sim = simulate_graph(graph, chosen)
+    planned = apply_graph(model, chosen, graph, batch, loss_fn)
+    summary = AutoSummary(
+        method=method,
+        plan=chosen,  # type: ignore[arg-type]
+        chain=graph,  # type: ignore[arg-type]
+        budget_bytes=None if budget is None else parse_bytes(budget),
+        fixed_bytes=fixed,
+        predicted_activation_peak_bytes=sim.peak_bytes,
+        unplanned_activation_peak_bytes=none.peak_bytes,
+        predicted_time=sim.total_time,
+        unplanned_time=none.total_time,
+        predicted_peak_bytes=fixed + sim.peak_bytes,
+        unplanned_peak_bytes=fixed + none.peak_bytes,
+    )
+    return planned, summary
+
+
 def auto(
     model: nn.Module,
     batch: Any,
@@ -342,7 +414,12 @@ def auto(
     from remat.runtime import apply
 
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
-    captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
+    try:
+        captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
+    except UnsupportedModelError as err:
+        if stages is not None:
+            raise
+        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err))
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
