@@ -47,7 +47,8 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 SOLVERS = {"rotor": "rotor", "hilp": "rockmate"}
 """--solver -> Rockmate's ``generate_config`` type (``rockmate`` = rotor on top, HILP below)."""
 
-INLINE_MODELS = ("chain", "gpt2", "gpt2-small")
+INLINE_MODELS = ("chain", "gpt2-small")
+HF_DECODERS = ("gpt2", "llama-tiny")  # zoo models wrapped to take token ids, return logits
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,6 +549,51 @@ def _gpt2_workload(batch: int | None, n_layer: int) -> Workload:
     )
 
 
+def _decoder_workload(zoo: Any, name: str, chosen: dict[str, Any]) -> Workload:
+    """The suite's own Hugging Face decoder (same config, weights seed and tokens), wrapped to
+    take the token ids and return the logits: rkgb traces tensors, not ModelOutput, and
+    cannot parse the vmap-built causal mask of transformers 4.57, so the same causal mask is
+    passed as a 4-D boolean buffer. Loss: next-token cross-entropy, what the model computes
+    from ``labels=input_ids``."""
+    import torch
+    from torch import nn
+
+    entry = zoo.get(name, **chosen)
+    ids = entry.batch["input_ids"]
+    seq = ids.shape[1]
+
+    class DecoderLogits(nn.Module):
+        def __init__(self, lm: nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+            causal = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+            self.register_buffer("causal_mask", causal, persistent=False)
+
+        def forward(self, input_ids: Any) -> Any:
+            out = self.lm(
+                input_ids=input_ids,
+                attention_mask=self.causal_mask,
+                use_cache=False,
+                return_dict=False,
+            )
+            return out[0]
+
+    def loss_fn(logits: Any, inputs: tuple) -> Any:
+        tokens = inputs[0]
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+
+    return Workload(
+        name,
+        DecoderLogits(entry.model),
+        (ids,),
+        loss_fn,
+        f"remat.zoo.get({name!r}, **{chosen!r}): {entry.description}; wrapped to return the "
+        "logits from a 4-D causal mask buffer",
+    )
+
+
 def zoo_options(name: str, batch: int | None, options: str | None) -> dict[str, Any]:
     """The zoo options of a run: ``--options`` (JSON) or else the peers suite's for ``name``
     (so that Rockmate runs on the same model and input as the suite's other methods), with
@@ -579,6 +625,8 @@ def load_workload(
         from remat import zoo  # noqa: PLC0415
     except ImportError:
         zoo = None
+    if zoo is not None and name in HF_DECODERS:
+        return _decoder_workload(zoo, name, zoo_options(name, batch, options))
     if zoo is not None and name not in INLINE_MODELS:
         from remat.capture import _model_arguments  # noqa: PLC0415
 
@@ -611,7 +659,7 @@ def load_workload(
         return Workload(name, entry.model, inputs, loss_fn, source)
     if name == "chain":
         return _chain_workload(batch)
-    if name in ("gpt2", "gpt2-small"):
+    if name == "gpt2-small" or (zoo is None and name == "gpt2"):
         return _gpt2_workload(batch, n_layer)
     raise SystemExit(f"unknown model {name!r} (remat.zoo absent: inline models {INLINE_MODELS})")
 
