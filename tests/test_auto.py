@@ -160,7 +160,7 @@ def test_auto_plans_a_model_that_is_not_a_chain_as_a_graph(budget_fraction) -> N
     torch.manual_seed(0)
     model = Branchy()
     x = torch.randn(4096, 32)
-    reference = {n: g for n, g in _grads(model, x).items()}
+    reference = _branchy_grads(model, x)
     budget = None
     if budget_fraction is not None:
         unplanned = profile(model, x).peak_bytes
@@ -173,11 +173,11 @@ def test_auto_plans_a_model_that_is_not_a_chain_as_a_graph(budget_fraction) -> N
         assert summary.predicted_peak_bytes <= budget
         assert summary.predicted_activation_peak_bytes < summary.unplanned_activation_peak_bytes
         assert profile(planned, x).peak_bytes <= budget  # measured, the whole step
-    for name, grad in _grads(planned, x).items():
+    for name, grad in _branchy_grads(planned, x).items():
         torch.testing.assert_close(grad, reference[name.removeprefix("model.")])
 
 
-def _grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def _branchy_grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     module.zero_grad(set_to_none=True)
     module(x).square().mean().backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
@@ -273,3 +273,24 @@ def test_whole_step_peak_is_exact_on_gpt2_with_gradient_timing() -> None:
         assert abs(predicted - measured) <= 0.002 * measured, (p.describe(), predicted, measured)
         safe = total_peak_bytes(chain, p, persistent, grads)
         assert safe >= predicted
+
+
+def test_at_a_baseline_plans_whole_step_peak_optimal_time_is_no_slower() -> None:
+    # The budget a user compares at is a baseline's measured peak: the plan remat picks for it
+    # must be at least as fast (predicted) as every baseline plan that fits it.
+    from remat.auto import plan_for_total_budget, stage_grad_bytes, total_peak_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(24)])
+    captured = capture(model, torch.randn(1024, 256))
+    chain, grads, rises = captured.chain, stage_grad_bytes(captured.stages), captured.grad_rise_bytes
+    fixed = fixed_bytes(model, torch.optim.Adam(model.parameters()))
+    persistent = fixed - sum(grads)
+    baselines = [remat.plan(chain, m) for m in ("chen-sqrt", "every-stage", "hong-dp")]
+    baselines.append(remat.Plan.from_checkpoints(chain, [6, 12, 18]))
+    for base in baselines:
+        budget = total_peak_bytes(chain, base, persistent, grads, rises)
+        chosen = plan_for_total_budget(chain, fixed, budget, "optimal-time", grads, rises)
+        assert total_peak_bytes(chain, chosen, persistent, grads, rises) <= budget
+        chosen_time = remat.simulate(chain, chosen).total_time
+        assert chosen_time <= remat.simulate(chain, base).total_time * (1 + 1e-9), base.describe()

@@ -244,10 +244,21 @@ def _largest_fitting_plan(
     method: str,
     grad_rise_bytes: Sequence[int] | None = None,
 ) -> Plan:
-    """Binary search on the activation budget for the largest one whose plan's total peak
-    (:func:`total_peak_bytes`) fits ``total``; each candidate is checked exactly."""
+    """The plan whose whole-step peak (:func:`total_peak_bytes`) fits ``total``, each candidate
+    checked exactly.
+
+    If the plan made for the activation budget ``total - persistent`` fits, it is the answer
+    (no fitting plan keeps more activations). Otherwise, for ``optimal-time``, the fastest
+    fitting plan among the Pareto plans of a fixed grid of activation budgets (one DP table,
+    :func:`remat.planners.optimal_time.sweep`), the flat plans of the other planners, and the
+    plans of a binary search on the activation budget: the step's peak is not a monotone
+    function of the activation peak (a parameter gradient made early in the backward can meet
+    a recomputation), so the largest activation budget that fits is not always the fastest
+    plan. For other planners: the binary search's largest fitting activation budget."""
     from remat.api import plan as make_plan
     from remat.planners import BudgetTooSmallError
+
+    pool: list[Plan] = []
 
     def fits(activation_budget: int) -> Plan | None:
         try:
@@ -256,6 +267,8 @@ def _largest_fitting_plan(
             return None
         predicted = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
         ok = predicted <= total
+        if ok:
+            pool.append(candidate)
         return candidate if ok else None
 
     lo = max(0, total - persistent - sum(grad_bytes))  # the safe reading
@@ -273,6 +286,14 @@ def _largest_fitting_plan(
             best, lo = candidate, mid
         else:
             hi = mid
+    if method == "optimal-time":
+        for candidate in _optimal_time_candidates(chain):
+            peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
+            if peak <= total:
+                pool.append(candidate)
+        if pool:
+            timed = [(simulate(chain, p).total_time, p) for p in pool]
+            best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
         floor = make_plan(chain, method, None) if method != "optimal-time" else None
         from remat.planners.optimal_time import min_feasible_peak
@@ -287,6 +308,30 @@ def _largest_fitting_plan(
             f"parameter gradients {format_bytes(sum(grad_bytes))}",
         )
     return best
+
+
+GRID_POINTS = 16
+"""Activation budgets of :func:`_optimal_time_candidates`' grid (geometric)."""
+
+
+def _optimal_time_candidates(chain: Chain) -> list[Plan]:
+    """optimal-time's plans at :data:`GRID_POINTS` activation budgets from the least feasible
+    peak to the unplanned one, and the other planners' plans (made for their own defaults):
+    candidates for the fastest plan under a whole-step budget."""
+    from remat.api import plan as make_plan
+    from remat.planners.optimal_time import min_feasible_peak, sweep
+
+    floor = min_feasible_peak(chain)
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if floor > 0 else 1.0
+    budgets = sorted({int(floor * ratio**k) for k in range(GRID_POINTS)} | {floor, top})
+    found = [p.for_chain(chain) for p in sweep(chain, budgets) if p is not None]
+    for method in ("none", "every-stage", "chen-sqrt", "chen-budget", "hong-dp"):
+        try:
+            found.append(make_plan(chain, method))
+        except Exception:  # noqa: BLE001 - a planner that cannot plan this chain adds nothing
+            continue
+    return found
 
 
 def stage_grad_bytes(stages: Any) -> list[int]:

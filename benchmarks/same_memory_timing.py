@@ -1,0 +1,141 @@
+"""At each PyTorch baseline's memory, is remat's optimal-time plan at least as fast? (issue 4)
+
+The `peers` suite times every method against eager, one method at a time, 5 steps each: on a
+shared machine that leaves about ±0.2 of noise between two runs of the same plan. Here every
+eager-mode baseline (checkpoint_sequential with sqrt(n) segments, checkpointing each block,
+selective checkpointing of matmuls, Hugging Face gradient checkpointing) and remat's
+optimal-time plan made for that baseline's *measured* peak are timed in one interleaved loop
+(eager A B C ... eager A B C ...), many repeats, so all see the same machine; memory is each
+one's exact step peak. Results: docs/results/peers/<model>/same-memory.{json,md}.
+
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 .venv/bin/python benchmarks/same_memory_timing.py \\
+        --model gpt2 --repeats 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from remat.bench.methods import peer_methods, remat_setup  # noqa: E402
+from remat.bench.suites import _model_options, load_workload, machine_info  # noqa: E402
+from remat.measure import interleaved_times, step_peak_bytes  # noqa: E402
+from remat.units import format_bytes  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    work = load_workload(args.model, **_model_options(args.model, False))
+    steps, peaks, plans = {}, {}, {}
+
+    def make_step(module: torch.nn.Module) -> tuple:
+        opt = torch.optim.Adam(module.parameters(), lr=0.0)
+
+        def step() -> None:
+            torch.manual_seed(1234)
+            work.loss_fn(module, work.batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, opt
+
+    pairs = []
+    for setup in peer_methods(work):
+        step, opt = make_step(setup.module)
+        step()
+        peaks[setup.method] = step_peak_bytes(step, setup.module, opt, work.batch)
+        steps[setup.method] = step
+        if setup.method == "eager":
+            continue
+        mine = remat_setup(work, "optimal-time", peaks[setup.method], f"remat@{setup.method}")
+        if mine.module is None:
+            print(f"{mine.method}: {mine.error}", file=sys.stderr)
+            continue
+        step, opt = make_step(mine.module)
+        step()
+        peaks[mine.method] = step_peak_bytes(step, mine.module, opt, work.batch)
+        steps[mine.method] = step
+        plans[mine.method] = mine.notes["plan"]
+        pairs.append((setup.method, mine.method))
+    print(f"timing {len(steps)} steps x {args.repeats}, interleaved", file=sys.stderr)
+    times = interleaved_times(steps, repeats=args.repeats)
+    eager = statistics.median(times["eager"])
+
+    def ratio(name: str) -> float:
+        return statistics.median(times[name]) / eager
+
+    rows = []
+    for peer, mine in pairs:
+        rows.append(
+            {
+                "model": args.model,
+                "peer": peer,
+                "peer_peak_bytes": peaks[peer],
+                "peer_memory_ratio": peaks[peer] / peaks["eager"],
+                "peer_time_ratio": ratio(peer),
+                "remat_plan": plans[mine],
+                "remat_peak_bytes": peaks[mine],
+                "remat_memory_ratio": peaks[mine] / peaks["eager"],
+                "remat_time_ratio": ratio(mine),
+                "remat_within_peer_memory": peaks[mine] <= peaks[peer],
+                "remat_at_least_as_fast": ratio(mine) <= ratio(peer),
+                "remat_vs_peer_time": statistics.median(times[mine])
+                / statistics.median(times[peer]),
+            }
+        )
+    out = args.out or Path("docs/results/peers") / args.model
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    result = {
+        "model": args.model,
+        "repeats": args.repeats,
+        "machine": machine,
+        "seconds": time.perf_counter() - start,
+        "eager_peak_bytes": peaks["eager"],
+        "eager_step_seconds": eager,
+        "rows": rows,
+        "step_seconds": {k: v for k, v in times.items()},
+    }
+    (out / "same-memory.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = [
+        f"# {args.model}: remat's optimal-time at each PyTorch baseline's memory",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine['device']} "
+        f"({machine.get('cpus')} CPUs, 1 torch thread), torch {machine['torch']}; every step "
+        f"below timed in one interleaved loop, {args.repeats} repeats (median); eager step "
+        f"{eager:.3f} s, eager peak {format_bytes(peaks['eager'])}. Generated by "
+        "`benchmarks/same_memory_timing.py`.",
+        "",
+        "| baseline | its memory | its time | remat at ≤ that memory | remat time | remat / "
+        "baseline time | remat plan |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan = r["remat_plan"] if len(r["remat_plan"]) < 60 else r["remat_plan"][:57] + "..."
+        lines.append(
+            f"| {r['peer']} | {r['peer_memory_ratio']:.3f} | {r['peer_time_ratio']:.2f} | "
+            f"{r['remat_memory_ratio']:.3f} | {r['remat_time_ratio']:.2f} | "
+            f"{r['remat_vs_peer_time']:.2f} | `{plan}` |"
+        )
+    (out / "same-memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
