@@ -283,7 +283,11 @@ def test_at_a_baseline_plans_whole_step_peak_optimal_time_is_no_slower() -> None
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(24)])
     captured = capture(model, torch.randn(1024, 256))
-    chain, grads, rises = captured.chain, stage_grad_bytes(captured.stages), captured.grad_rise_bytes
+    chain, grads, rises = (
+        captured.chain,
+        stage_grad_bytes(captured.stages),
+        captured.grad_rise_bytes,
+    )
     fixed = fixed_bytes(model, torch.optim.Adam(model.parameters()))
     persistent = fixed - sum(grads)
     baselines = [remat.plan(chain, m) for m in ("chen-sqrt", "every-stage", "hong-dp")]
