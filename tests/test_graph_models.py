@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_graph_capture import saved_bytes_of_one_forward
 from torch import nn
 
 from remat.graphs.capture import trace_levels
@@ -54,26 +55,6 @@ def build(name: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None, num_classes=10, **options).train()
     return model, torch.randn(batch, 3, image, image)
-
-
-def saved_bytes_of_one_forward(model: nn.Module, batch, loss_fn) -> int:
-    """Unique storages autograd saves in one forward (parameters, buffers, batch excluded)."""
-    fixed = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    fixed |= {batch.untyped_storage()._cdata} if torch.is_tensor(batch) else set()
-    if isinstance(batch, dict):
-        fixed |= {t.untyped_storage()._cdata for t in batch.values()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st._cdata not in fixed:
-            seen[st._cdata] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model, batch)
-    del loss
-    return sum(seen.values())
 
 
 def check_capture(model: nn.Module, batch, loss_fn, traces) -> None:
