@@ -74,6 +74,35 @@ class AutoSummary:
     unplanned_peak_bytes: int = 0
     """The same for the unplanned step."""
 
+    @classmethod
+    def of(
+        cls,
+        method: str,
+        plan: Any,
+        chain: Any,
+        budget: int | str | None,
+        fixed: int,
+        sim: Any,
+        none: Any,
+        predicted_peak_bytes: int = 0,
+        unplanned_peak_bytes: int = 0,
+    ) -> AutoSummary:
+        """The summary of ``plan`` from its simulation ``sim`` and the unplanned one ``none``
+        (chain or graph simulations: both have ``peak_bytes`` and ``total_time``)."""
+        return cls(
+            method=method,
+            plan=plan,
+            chain=chain,
+            budget_bytes=None if budget is None else parse_bytes(budget),
+            fixed_bytes=fixed,
+            predicted_activation_peak_bytes=sim.peak_bytes,
+            unplanned_activation_peak_bytes=none.peak_bytes,
+            predicted_time=sim.total_time,
+            unplanned_time=none.total_time,
+            predicted_peak_bytes=predicted_peak_bytes,
+            unplanned_peak_bytes=unplanned_peak_bytes,
+        )
+
     @property
     def predicted_overhead(self) -> float:
         """Predicted step time relative to the unplanned step, minus one (0.25 = 25% slower)."""
@@ -422,18 +451,16 @@ def _auto_graph(
             ) from None
     sim = simulate_graph(graph, chosen)
     planned = apply_graph(model, chosen, graph, batch, loss_fn)
-    summary = AutoSummary(
-        method=method,
-        plan=chosen,  # type: ignore[arg-type]
-        chain=graph,  # type: ignore[arg-type]
-        budget_bytes=None if budget is None else parse_bytes(budget),
-        fixed_bytes=fixed,
-        predicted_activation_peak_bytes=sim.peak_bytes,
-        unplanned_activation_peak_bytes=none.peak_bytes,
-        predicted_time=sim.total_time,
-        unplanned_time=none.total_time,
-        predicted_peak_bytes=fixed + sim.peak_bytes,
-        unplanned_peak_bytes=fixed + none.peak_bytes,
+    summary = AutoSummary.of(
+        method,
+        chosen,
+        graph,
+        budget,
+        fixed,
+        sim,
+        none,
+        fixed + sim.peak_bytes,
+        fixed + none.peak_bytes,
     )
     return planned, summary
 
@@ -479,17 +506,15 @@ def auto(
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
     persistent = fixed - sum(grads)
-    summary = AutoSummary(
-        method=method,
-        plan=chosen,
-        chain=chain,
-        budget_bytes=None if budget is None else parse_bytes(budget),
-        fixed_bytes=fixed,
-        predicted_activation_peak_bytes=sim.peak_bytes,
-        unplanned_activation_peak_bytes=none.peak_bytes,
-        predicted_time=sim.total_time,
-        unplanned_time=none.total_time,
-        predicted_peak_bytes=total_peak_bytes(chain, chosen, persistent, grads, rises),
-        unplanned_peak_bytes=total_peak_bytes(chain, Plan.none(chain), persistent, grads, rises),
+    summary = AutoSummary.of(
+        method,
+        chosen,
+        chain,
+        budget,
+        fixed,
+        sim,
+        none,
+        total_peak_bytes(chain, chosen, persistent, grads, rises),
+        total_peak_bytes(chain, Plan.none(chain), persistent, grads, rises),
     )
     return planned, summary

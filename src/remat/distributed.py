@@ -466,7 +466,6 @@ def auto_distributed(
     from remat.runtime import apply
     from remat.simulate import simulate
     from remat.stages import split_stages
-    from remat.units import parse_bytes
 
     rank, ws = dist.get_rank(), dist.get_world_size(group)
 
@@ -517,17 +516,7 @@ def auto_distributed(
     check_same_plan(planned, group=group)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
-    summary = AutoSummary(
-        method=method,
-        plan=chosen,
-        chain=chain,
-        budget_bytes=None if budget is None else parse_bytes(budget),
-        fixed_bytes=fixed_bytes,
-        predicted_activation_peak_bytes=sim.peak_bytes,
-        unplanned_activation_peak_bytes=none.peak_bytes,
-        predicted_time=sim.total_time,
-        unplanned_time=none.total_time,
-    )
+    summary = AutoSummary.of(method, chosen, chain, budget, fixed_bytes, sim, none)
     return planned, summary
 
 
