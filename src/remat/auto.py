@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,11 +35,15 @@ from remat.simulate import simulate
 from remat.stages import UnsupportedModelError
 from remat.units import format_bytes, parse_bytes
 
+if TYPE_CHECKING:
+    from remat.capture import Captured
+
 __all__ = [
     "auto",
     "AutoSummary",
     "fixed_bytes",
     "plan_for_total_budget",
+    "predicted_step_peak_bytes",
     "total_peak_bytes",
     "stage_grad_bytes",
 ]
@@ -263,6 +267,20 @@ def total_peak_bytes(
             continue
         peak = max(peak, persistent + grads + event.peak_bytes)
     return max(peak, persistent + sum(grad_bytes) + chain.input_bytes)
+
+
+def predicted_step_peak_bytes(
+    model: nn.Module,
+    captured: Captured,
+    plan: Plan,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int:
+    """The whole training step's predicted peak for ``plan`` on a model captured by
+    :func:`remat.capture.capture` (:func:`total_peak_bytes` with the model's fixed bytes);
+    compare it with :func:`remat.measure.step_peak_bytes` of the planned step."""
+    grads = stage_grad_bytes(captured.stages)
+    persistent = fixed_bytes(model, optimizer) - sum(grads)
+    return total_peak_bytes(captured.chain, plan, persistent, grads, captured.grad_rise_bytes)
 
 
 def _largest_fitting_plan(

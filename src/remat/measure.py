@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "AllocatorWindow",
     "unique_storage_bytes",
     "step_peak_bytes",
     "cuda_step_peak_bytes",
@@ -98,13 +99,62 @@ def step_peak_bytes(
     persistent = unique_storage_bytes(_state_tensors(model, optimizer, inputs))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    return persistent + _running_peak(prof)
+
+
+class AllocatorWindow:
+    """The highest bytes allocated, above the level at its start, while the ``with`` body runs.
+
+    Counted from the allocator itself, so it sees what a TorchDispatchMode (MemTracker) cannot:
+    scratch memory that kernels allocate internally, such as oneDNN's convolution and batch-norm
+    workspaces on the CPU. On the CPU from the profiler's memory events, on CUDA from
+    ``torch.cuda.max_memory_allocated``; ``peak_bytes`` is ``None`` on other devices.
+
+    Example:
+        >>> with AllocatorWindow(torch.device("cpu")) as window:
+        ...     y = torch.ones(1024) * 2
+        >>> window.peak_bytes >= 4096
+        True
+    """
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+        self.peak_bytes: int | None = None
+        self._profiler: Any = None
+        self._start = 0
+
+    def __enter__(self) -> AllocatorWindow:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        elif self._profiler is not None:
+            self._profiler.__exit__(*exc)
+            if exc[0] is None:
+                self.peak_bytes = _running_peak(self._profiler)
+            self._profiler = None
+
+
+def _running_peak(prof: Any) -> int:
+    """Highest running sum of a finished profiler's allocation/free events (from 0)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     running = peak = 0
     for event in events:
         running += event.nbytes()
         peak = max(peak, running)
-    return persistent + peak
+    return peak
 
 
 def cuda_step_peak_bytes(step: Callable[[], Any], warmup: int = 1) -> int:
