@@ -1,4 +1,5 @@
-"""At each PyTorch baseline's memory, is remat's optimal-time plan at least as fast? (issue 4)
+"""At each PyTorch baseline's memory, is remat's optimal-time plan at least as fast? And at
+each baseline's time, does remat use less memory? (issue 4)
 
 The `peers` suite times every method against eager, one method at a time, 5 steps each: on a
 shared machine that leaves about ±0.2 of noise between two runs of the same plan. Here every
@@ -6,7 +7,10 @@ eager-mode baseline (checkpoint_sequential with sqrt(n) segments, checkpointing 
 selective checkpointing of matmuls, Hugging Face gradient checkpointing) and remat's
 optimal-time plan made for that baseline's *measured* peak are timed in one interleaved loop
 (eager A B C ... eager A B C ...), many repeats, so all see the same machine; memory is each
-one's exact step peak. Results: docs/results/peers/<model>/same-memory.{json,md}.
+one's exact step peak. With ``--same-time`` the baselines are first timed (a short interleaved
+loop) and, for each, remat's plan with the least predicted peak whose predicted time ratio
+(simulate on the captured chain) is at most the baseline's measured one joins the final loop.
+Results: docs/results/peers/<model>/same-memory.{json,md}.
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 .venv/bin/python benchmarks/same_memory_timing.py \\
         --model gpt2 --repeats 15
@@ -26,9 +30,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from remat.bench.methods import peer_methods, remat_setup  # noqa: E402
+from remat.auto import _optimal_time_candidates, total_peak_bytes  # noqa: E402
+from remat.bench.methods import (  # noqa: E402
+    Workload,  # noqa: E402
+    peer_methods,
+    remat_setup,
+)
 from remat.bench.suites import _model_options, load_workload, machine_info  # noqa: E402
 from remat.measure import interleaved_times, step_peak_bytes  # noqa: E402
+from remat.plans import Plan  # noqa: E402
+from remat.runtime import apply  # noqa: E402
+from remat.simulate import simulate  # noqa: E402
 from remat.units import format_bytes  # noqa: E402
 
 
@@ -37,6 +49,11 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--same-time",
+        action="store_true",
+        help="also remat's least-memory plan at each baseline's measured time",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -72,6 +89,22 @@ def main() -> int:
         steps[mine.method] = step
         plans[mine.method] = mine.notes["plan"]
         pairs.append((setup.method, mine.method))
+    same_time = []
+    if args.same_time:
+        baselines = {name: steps[name] for name in ["eager", *(peer for peer, _ in pairs)]}
+        print(f"pre-timing {len(baselines)} baselines x 3, interleaved", file=sys.stderr)
+        pre = interleaved_times(baselines, repeats=3)
+        for peer, _ in pairs:
+            target = statistics.median(pre[peer]) / statistics.median(pre["eager"])
+            plan, predicted = _least_memory_within(work, target)
+            name = f"remat@time:{peer}"
+            module = apply(work.model, plan, stages=work.stages)
+            step, opt = make_step(module)
+            step()
+            peaks[name] = step_peak_bytes(step, module, opt, work.batch)
+            steps[name] = step
+            plans[name] = plan.describe()
+            same_time.append((peer, name, target, predicted))
     print(f"timing {len(steps)} steps x {args.repeats}, interleaved", file=sys.stderr)
     times = interleaved_times(steps, repeats=args.repeats)
     eager = statistics.median(times["eager"])
@@ -98,6 +131,36 @@ def main() -> int:
                 / statistics.median(times[peer]),
             }
         )
+
+    def least_memory_at_time(peer: str) -> str | None:
+        """Among every remat step of this loop, the one with the least peak that is no slower
+        than ``peer`` (medians of the same interleaved loop)."""
+        limit = statistics.median(times[peer])
+        fast = [n for n in times if n.startswith("remat@") and statistics.median(times[n]) <= limit]
+        return min(fast, key=lambda n: peaks[n]) if fast else None
+
+    time_rows = []
+    for peer, mine, target, predicted in same_time:
+        best = least_memory_at_time(peer)
+        time_rows.append(
+            {
+                "model": args.model,
+                "peer": peer,
+                "peer_pretimed_ratio": target,
+                "remat_predicted_time_ratio": predicted,
+                "peer_memory_ratio": peaks[peer] / peaks["eager"],
+                "peer_time_ratio": ratio(peer),
+                "remat_plan": plans[mine],
+                "remat_memory_ratio": peaks[mine] / peaks["eager"],
+                "remat_time_ratio": ratio(mine),
+                "remat_less_memory": peaks[mine] < peaks[peer],
+                "remat_vs_peer_memory": peaks[mine] / peaks[peer],
+                "remat_vs_peer_time": statistics.median(times[mine])
+                / statistics.median(times[peer]),
+                "best_remat_at_peer_time": best,
+                "best_remat_vs_peer_memory": peaks[best] / peaks[peer] if best else None,
+            }
+        )
     out = args.out or Path("docs/results/peers") / args.model
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
@@ -109,6 +172,7 @@ def main() -> int:
         "eager_peak_bytes": peaks["eager"],
         "eager_step_seconds": eager,
         "rows": rows,
+        "same_time_rows": time_rows,
         "step_seconds": {k: v for k, v in times.items()},
     }
     (out / "same-memory.json").write_text(json.dumps(result, indent=1, default=str))
@@ -132,9 +196,52 @@ def main() -> int:
             f"{r['remat_memory_ratio']:.3f} | {r['remat_time_ratio']:.2f} | "
             f"{r['remat_vs_peer_time']:.2f} | `{plan}` |"
         )
+    if time_rows:
+        lines += [
+            "",
+            "At each baseline's time: remat's plan with the least predicted peak whose predicted "
+            "time ratio is at most the baseline's (pre-timed, 3 interleaved repeats), then timed "
+            "in the same loop as everything above.",
+            "",
+            "| baseline | its memory | its time | remat memory | remat time | remat / baseline "
+            "memory | remat / baseline time | remat plan | least memory of any remat step "
+            "here at ≤ its time |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in time_rows:
+            plan = r["remat_plan"] if len(r["remat_plan"]) < 60 else r["remat_plan"][:57] + "..."
+            lines.append(
+                f"| {r['peer']} | {r['peer_memory_ratio']:.3f} | {r['peer_time_ratio']:.2f} | "
+                f"{r['remat_memory_ratio']:.3f} | {r['remat_time_ratio']:.2f} | "
+                f"{r['remat_vs_peer_memory']:.3f} | {r['remat_vs_peer_time']:.2f} | `{plan}` | "
+                + (
+                    f"{r['best_remat_vs_peer_memory']:.3f} × its memory "
+                    f"({r['best_remat_at_peer_time']}) |"
+                    if r["best_remat_at_peer_time"]
+                    else "none |"
+                )
+            )
     (out / "same-memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _least_memory_within(work: Workload, time_ratio: float) -> tuple[Plan, float]:
+    """The candidate plan (optimal-time over a grid of budgets, the flat planners) with the
+    least predicted whole-step peak whose predicted time is at most ``time_ratio`` × the
+    unplanned step's; the fastest candidate when none is that fast. Returns it and its
+    predicted time ratio."""
+    chain = work.chain
+    unplanned = simulate(chain, Plan.none(chain)).total_time
+    persistent = work.fixed_bytes - sum(work.grad_bytes)
+    scored = []
+    for plan in _optimal_time_candidates(chain):
+        ratio = simulate(chain, plan).total_time / unplanned
+        peak = total_peak_bytes(chain, plan, persistent, work.grad_bytes, work.grad_rise_bytes)
+        scored.append((ratio, peak, plan))
+    fitting = [c for c in scored if c[0] <= time_ratio]
+    ratio, _, plan = min(fitting, key=lambda c: (c[1], c[0])) if fitting else min(scored)[:3]
+    return plan, ratio
 
 
 if __name__ == "__main__":

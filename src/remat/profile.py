@@ -25,7 +25,12 @@ returns a :class:`MemoryReport`:
 * ``module_peaks``: per module FQN, the highest live bytes while inside its forward and while
   inside its backward;
 * ``timeline``: ``(label, live_bytes)`` after every operation, labels ``phase:module``;
-* on CUDA, ``cuda_max_allocated_bytes``: ``torch.cuda.max_memory_allocated()`` over the step.
+* on CUDA, ``cuda_max_allocated_bytes``: ``torch.cuda.max_memory_allocated()`` over the step;
+  on the CPU (real tensors), ``allocator_peak_bytes``: the start bytes plus the peak of the
+  allocator's own events over the same step (the profiler's memory events). It is the device's
+  real peak: it also counts the scratch memory kernels allocate that is not a tensor, which
+  MemTracker (and so ``peak_bytes``) cannot see — oneDNN convolutions, batch norms and LSTMs on
+  the CPU (:attr:`MemoryReport.scratch_bytes`; docs/cost-model.md).
 
 **Steady state.** When an optimizer is given and has no state yet, one warm-up step runs first
 (not measured) so that the measured step holds the optimizer state, as every later step does
@@ -191,6 +196,9 @@ class MemoryReport:
     """``torch.cuda.max_memory_allocated()`` over the step (real CUDA runs only)."""
     model_name: str = ""
     """The model's class name (or zoo name)."""
+    allocator_peak_bytes: int | None = None
+    """The step's peak counted from the allocator's events (real CPU runs only): includes
+    kernels' scratch memory that is not a tensor."""
 
     def __post_init__(self) -> None:
         if set(self.categories) != set(CATEGORIES):
@@ -207,6 +215,13 @@ class MemoryReport:
     def by_category(self) -> dict[str, int]:
         """Bytes at the step's peak by category (the same dict as :attr:`categories`)."""
         return self.categories
+
+    @property
+    def scratch_bytes(self) -> int | None:
+        """How far the allocator's peak is above ``peak_bytes`` (kernel scratch memory that
+        MemTracker cannot see; on CUDA from ``max_memory_allocated``); ``None`` when unknown."""
+        real = self.allocator_peak_bytes or self.cuda_max_allocated_bytes
+        return None if real is None else max(0, real - self.peak_bytes)
 
     @property
     def fixed_bytes(self) -> int:
@@ -234,6 +249,7 @@ class MemoryReport:
             "start_bytes": self.start_bytes,
             "peak_label": self.peak_label,
             "cuda_max_allocated_bytes": self.cuda_max_allocated_bytes,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
             "module_peaks": {k: list(v) for k, v in self.module_peaks.items()},
             "timeline": [list(p) for p in self.timeline],
         }
@@ -313,10 +329,17 @@ def _measure(
         torch.cuda.reset_peak_memory_stats(device)
     tracker = StepTracker(root=model, timeline=timeline)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []), batch)
+    on_cpu = device.type == "cpu" and not fake
+    window: Any = contextlib.nullcontext()
+    if on_cpu:
+        from remat.measure import AllocatorWindow
+
+        window = AllocatorWindow(device)
     try:
         with tracker:
             tracker.start()
-            _run_step(model, batch, loss_fn, optimizer, tracker)
+            with window:
+                _run_step(model, batch, loss_fn, optimizer, tracker)
     finally:
         if optimizer is None:
             for p, g in grads.items():
@@ -338,6 +361,7 @@ def _measure(
         warmup_steps=warmup,
         cuda_max_allocated_bytes=cuda_peak,
         model_name=type(model).__name__,
+        allocator_peak_bytes=tracker.start_bytes + window.peak_bytes if on_cpu else None,
     )
 
 

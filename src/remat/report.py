@@ -65,6 +65,12 @@ def format_memory_report(report: MemoryReport) -> str:
         lines.append(
             f"torch.cuda.max_memory_allocated: {format_bytes(report.cuda_max_allocated_bytes)}"
         )
+    if report.allocator_peak_bytes is not None:
+        lines.append(
+            f"allocator peak: {format_bytes(report.allocator_peak_bytes)} (includes "
+            f"{format_bytes(report.scratch_bytes or 0)} of kernel scratch memory that is not a "
+            "tensor)"
+        )
     return "\n".join(lines)
 
 
