@@ -15,7 +15,8 @@ from remat.graphs.capture import trace_graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.graphs.planners import plan_graph
 from remat.graphs.runtime import GraphExecutionError, apply_graph
-from remat.graphs.simulate import simulate_graph
+from remat.graphs.simulate import simulate_graph, simulate_step_peak
+from remat.measure import step_peak_bytes, unique_storage_bytes
 from remat.profile import profile
 from remat.runtime import SignatureMismatchError
 
@@ -103,22 +104,67 @@ def test_recomputation_flops_equal_the_simulation(name):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_measured_peak_is_within_10_percent_of_simulate(name):
-    """Exact activation peak of a step (MemTracker, parameter gradients excluded) against the
-    simulated peak of the executed plan. The simulator holds a stored node's output until the
-    node's own backward even when only its consumers save it, so it may over-estimate
-    (docs/graph-executor.md quantifies it); it must never under-estimate by more than the
-    executor's own small state (RNG stashes)."""
+def test_measured_peak_is_within_3_percent_of_simulate(name):
+    """Exact activation peak of a step (MemTracker: tensors only, parameter gradients
+    excluded) against the simulated peak of the executed plan on the fake-captured graph
+    (which, like MemTracker, sees no kernel scratch memory). Outputs that only their
+    consumers' backwards keep (Node.keeps_output False) die with those, as in the real step:
+    without that rule MobileNetV2's reforward plan was over-estimated by 18 %."""
     entry = zoo.get(name, **MODELS[name])
-    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op").graph
+    graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True).graph
     plans = plans_for(graph)
     for plan_name in ("none", "reforward", "nested"):
         planned = apply_graph(entry.model, plans[plan_name], graph, entry.batch, entry.loss_fn)
         measured = profile(planned, entry.batch, entry.loss_fn).activation_peak_bytes
         simulated = simulate_graph(graph, planned.executed_plan).peak_bytes
-        assert 0.85 * simulated <= measured <= 1.03 * simulated, (plan_name, measured, simulated)
-        if name != "mobilenet_v2":  # the over-estimate above: 14 % on its reforward plan
-            assert measured >= 0.9 * simulated, (plan_name, measured, simulated)
+        assert 0.97 * simulated <= measured <= 1.03 * simulated, (plan_name, measured, simulated)
+
+
+def measured_and_predicted_step_peak(entry, trace, plan) -> tuple[int, int, int]:
+    """The whole step's peak counted from the allocator's events (remat.measure), its
+    prediction from the graph (simulate_step_peak), and the fixed bytes (parameters, buffers,
+    batch) both include. The step starts with no parameter gradient."""
+    model = entry.model
+    planned = apply_graph(model, plan, trace.graph, entry.batch, entry.loss_fn)
+
+    def one_step() -> None:
+        entry.loss_fn(planned, entry.batch).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    measured = step_peak_bytes(one_step, model, None, entry.batch)
+    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
+    predicted = simulate_step_peak(
+        trace.graph, planned.executed_plan, fixed, trace.param_grad_bytes
+    )
+    return measured, predicted, fixed + trace.batch_bytes
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
+    """A real capture also measures the scratch memory CPU kernels allocate inside themselves
+    (oneDNN convolution reorders: on ResNet-18 at 32 x 32 about 35 MiB, 40 times the
+    activations) with the allocator's own events; the whole step's peak (allocator events,
+    parameter gradients included) is then predicted within 1 % of what the step adds to the
+    fixed bytes. The fake graph (no scratch) under-predicts ResNet-18's by over 20 %."""
+    entry = zoo.get(name, **MODELS[name])
+    trace = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op")
+    fake = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True)
+    for plan_name in ("none", "reforward"):
+        plan = plan_graph(trace.graph, "reforward") if plan_name == "reforward" else None
+        plan = plan or GraphPlan.none()
+        measured, predicted, fixed = measured_and_predicted_step_peak(entry, trace, plan)
+        assert abs(measured - predicted) <= 0.01 * (measured - fixed), (
+            plan_name,
+            measured,
+            predicted,
+        )
+        fixed_no_batch = fixed - trace.batch_bytes
+        blind = simulate_step_peak(
+            fake.graph, GraphPlan(plan.segments), fixed_no_batch, fake.param_grad_bytes
+        )
+        if name == "resnet18":  # the fake graph misses the convolutions' scratch
+            assert blind < measured - 0.2 * (measured - fixed), (plan_name, blind, measured)
 
 
 def test_segments_may_interleave_with_stored_nodes():

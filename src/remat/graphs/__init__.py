@@ -5,7 +5,8 @@
 * :class:`GraphPlan` / :class:`GraphSegment` (``plan.py``): stored nodes, recomputation
   segments (nestable), and the kept tensors they imply.
 * :func:`simulate_graph` (``simulate.py``): the single source of truth for a plan's peak and
-  time; :func:`lower_plan` gives the explicit schedule an executor must reproduce and
+  time (:func:`simulate_step_peak`: the whole step's, parameter gradients included);
+  :func:`lower_plan` gives the explicit schedule an executor must reproduce and
   :func:`run_schedule` checks any schedule (:class:`InfeasibleScheduleError`).
 * :func:`plan_graph` (``planners.py``) with the planners ``none``, ``reforward`` (Feng & Huang),
   ``checkmate-milp`` / ``checkmate-lp`` (Checkmate) and ``articulation`` (any chain planner
@@ -40,6 +41,7 @@ from remat.graphs.simulate import (
     lower_plan,
     run_schedule,
     simulate_graph,
+    simulate_step_peak,
 )
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "ScheduleOp",
     "InfeasibleScheduleError",
     "simulate_graph",
+    "simulate_step_peak",
     "lower_plan",
     "run_schedule",
     "plan_graph",

@@ -163,6 +163,11 @@ class GraphTrace:
     real_saved_bytes: int = field(default=0)
     """Unique bytes autograd saved during the traced forward (parameters and batch excluded),
     counted directly from the hooks: ``sum(saved_bytes) - unsaved outputs`` equals it."""
+    param_grad_bytes: tuple[int, ...] = field(default=())
+    """Per node, the bytes of the parameter gradients that first appear at its backward
+    (a parameter's gradient is made by the backward of the last node that reads it, and lives
+    to the end of the step): :func:`remat.graphs.simulate.simulate_step_peak` adds them to
+    predict the whole step's peak."""
 
 
 def capture_graph(
@@ -262,6 +267,7 @@ class _Rec:
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
     mem: tuple[int, int] = (-1, -1)  # tracker samples before and after the call
+    span: int = -1  # the allocator range of the call (real tensors), see _Allocator
     times: list[float] = field(default_factory=list)
     bwd_times: list[float] = field(default_factory=list)
 
@@ -280,11 +286,13 @@ class _State:
     entered: int = 0
     known: dict[int, int] = field(default_factory=dict)
     fixed: set[int] = field(default_factory=set)
+    params: dict[int, int] = field(default_factory=dict)  # storage -> gradient bytes
     batch_keys: dict[int, int] = field(default_factory=dict)
     serials: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     next_key: int = 0
-    backward: list[tuple[int, int, int]] = field(default_factory=list)  # (call, pre, post)
+    backward: list[tuple[int, int, int, int]] = field(default_factory=list)  # call, pre, post, span
     memory: _Memory | None = None
+    allocator: _Allocator | None = None
     grad_fns: dict[Any, int] = field(default_factory=dict)
     loss_key: int = -1
     real_saved: dict[int, int] = field(default_factory=dict)
@@ -342,10 +350,13 @@ class _Recorder(TorchFunctionMode):
         before = memory.mark() if memory is not None else -1
         flops0 = _total_flops(self.flops)
         prev, st.current = st.current, rec
+        span = st.allocator.begin() if st.allocator is not None else -1
         try:
             out = func(*args, **kwargs)
         finally:
             st.current = prev
+            if st.allocator is not None:
+                st.allocator.end(span)
         outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
         if not is_tensor_call(func, outs, mutated):
@@ -355,6 +366,7 @@ class _Recorder(TorchFunctionMode):
         rec.fwd_cost = _total_flops(self.flops) - flops0
         if memory is not None:
             rec.mem = (before, memory.mark())
+        rec.span = span
         for t in ins:
             key = _key(st, t)
             rec.in_keys.append(key)
@@ -447,6 +459,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     st = _State(root=model, names=names)
     for t in (*model.parameters(), *model.buffers()):
         st.fixed.add(_key(st, t))
+        if isinstance(t, nn.Parameter) and t.requires_grad:
+            st.params[_key(st, t)] = st.params.get(_key(st, t), 0) + t.numel() * t.element_size()
         st.known[_key(st, t)] = _nbytes(t)
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor):
@@ -483,6 +497,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     counter = FlopCounterMode(display=False) if (costs and flops) else None
     tracker = StepTracker(timeline=False) if costs else None
     st.memory = _Memory(tracker) if tracker is not None else None
+    if costs and not flops:  # fake tensors allocate nothing: no kernel scratch to see
+        st.allocator = _Allocator(_device_of(model, batch))
     params = list(model.parameters())
     grads = {p: p.grad for p in params}
     for p in params:
@@ -497,6 +513,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             tracker.track_external(model, batch)
             stack.enter_context(tracker)
             tracker.start()
+        if st.allocator is not None:
+            stack.enter_context(st.allocator)
         if counter is not None:
             stack.enter_context(counter)
         stack.enter_context(_RandomWatch(st))
@@ -525,17 +543,21 @@ def _backward_costs(st: _State, loss: torch.Tensor, counter: Any) -> None:
     handles = []
     calls = st.calls
     memory = st.memory
-    starts: dict[Any, tuple[float, int]] = {}
+    allocator = st.allocator
+    starts: dict[Any, tuple[float, int, int]] = {}
 
     def make_hooks(fn: Any, index: int) -> None:
         def pre(grad_outputs: Any) -> None:
-            starts[fn] = (_total_flops(counter), memory.mark() if memory is not None else -1)
+            span = allocator.begin() if allocator is not None else -1
+            starts[fn] = (_total_flops(counter), memory.mark() if memory is not None else -1, span)
 
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
-            flops, mark = starts.pop(fn, (0.0, -1))
+            flops, mark, span = starts.pop(fn, (0.0, -1, -1))
+            if allocator is not None and span >= 0:
+                allocator.end(span)
             calls[index].bwd_cost += _total_flops(counter) - flops
             if memory is not None:
-                st.backward.append((index, mark, memory.mark()))
+                st.backward.append((index, mark, memory.mark(), span))
 
         handles.append(fn.register_prehook(pre))
         handles.append(fn.register_hook(post))
@@ -567,6 +589,111 @@ class _Memory:
     def peak(self, first: int, last: int) -> int:
         """Highest corrected sample in ``[first, last]``."""
         return int(self.tracker._corrected_max(first, last + 1, phases_only=False))
+
+    def rise_with_grads(self, first: int, last: int) -> int:
+        """Highest sample in ``[first, last]`` above sample ``first``, parameter gradients
+        included (what the allocator also counts)."""
+        samples = self.tracker._with_grads
+        return max(samples[first : last + 1], default=0) - samples[first]
+
+
+SCRATCH_MIN_BYTES = 1024
+"""Allocator-only bytes of one call below this are ignored (the wrapped scalars C++ kernels
+make for a Python number), as in the chain capture (``remat.capture``): real and fake graphs
+stay byte-identical where no kernel allocates real scratch memory."""
+
+
+class _Allocator:
+    """The allocator's own events over the recorded step (real tensors only).
+
+    A TorchDispatchMode (the tracker) sees tensors, not the scratch memory kernels allocate
+    inside themselves (oneDNN's weight and input reorders in a CPU convolution, batch-norm and
+    LSTM workspaces). One ``torch.profiler`` with ``profile_memory=True`` runs over the whole
+    step; every recorded call and every autograd function is a named range (a
+    ``_RecordFunctionFast``, which no torch-function mode sees), and :meth:`rises` gives, per
+    range, the highest running sum of the allocation events inside it above its value at the
+    range's start. On CUDA the caching allocator reports to the same profiler.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device_type = device.type
+        self.profiler: Any = None
+        self.ranges: list[Any] = []
+        self.names: list[str] = []
+        self._rises: list[int] | None = None
+
+    def __enter__(self) -> _Allocator:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.profiler.__exit__(*exc)
+
+    def begin(self) -> int:
+        from torch._C._profiler import _RecordFunctionFast
+
+        span = len(self.ranges)
+        name = f"remat.graph_capture.{span}"
+        record = _RecordFunctionFast(name)
+        record.__enter__()
+        self.ranges.append(record)
+        self.names.append(name)
+        return span
+
+    def end(self, span: int) -> None:
+        record = self.ranges[span]
+        if record is not None:
+            record.__exit__(None, None, None)
+            self.ranges[span] = None
+
+    def rise(self, span: int) -> int:
+        """Allocator bytes above the range's start at its highest point (0 if unknown)."""
+        if span < 0:
+            return 0
+        if self._rises is None:
+            self._rises = self._compute()
+        return self._rises[span] if span < len(self._rises) else 0
+
+    def _compute(self) -> list[int]:
+        import bisect
+
+        events = self.profiler.profiler.kineto_results.events()
+        index = {name: k for k, name in enumerate(self.names)}
+        bounds: list[tuple[int, int] | None] = [None] * len(self.names)
+        memory: list[tuple[int, int]] = []
+        for event in events:
+            name = event.name()
+            if name == "[memory]":
+                if str(event.device_type()).rsplit(".", 1)[-1].lower() == self.device_type:
+                    memory.append((event.start_ns(), event.nbytes()))
+            elif name in index:
+                start = event.start_ns()
+                bounds[index[name]] = (start, start + event.duration_ns())
+        memory.sort(key=lambda e: e[0])
+        times = [t for t, _ in memory]
+        running = [0]
+        for _, nbytes in memory:
+            running.append(running[-1] + nbytes)
+        rises = []
+        for bound in bounds:
+            if bound is None:
+                rises.append(0)
+                continue
+            lo = bisect.bisect_left(times, bound[0])
+            hi = bisect.bisect_right(times, bound[1])
+            top = max(running[lo + 1 : hi + 1], default=running[lo])
+            rises.append(max(0, top - running[lo]))
+        return rises
+
+
+def _device_of(model: nn.Module, batch: Any) -> torch.device:
+    for t in (*model.parameters(), *tree_leaves(batch)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
 
 
 def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repeats: int) -> None:
@@ -861,6 +988,19 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         )
     if st.memory is not None:
         graph_nodes = _overheads(st, graph_nodes, call_node)
+    grad_node: dict[int, int] = {}  # parameter storage -> the last node that reads it
+    for rec in calls:
+        v = call_node[rec.index]
+        if v is None:
+            continue
+        for k in rec.in_keys:
+            if k in st.params:
+                grad_node[k] = max(grad_node.get(k, -1), v)
+    param_grads = [0] * len(graph_nodes)
+    for k, v in grad_node.items():
+        param_grads[v] += st.params[k]
+    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
+    graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(saved_constants.values())
     graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
@@ -885,10 +1025,11 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         node_calls=tuple(node_calls),
         output_saved=tuple(output_saved[x] for x in final),
         node_inside=tuple(nodes[x].inside for x in final),
-        saves_own_output=tuple(any(k in nodes[x].self_saved for k in outs[x]) for x in final),
+        saves_own_output=tuple(own),
         batch_bytes=batch_bytes,
         saved_constant_bytes=const_bytes,
         real_saved_bytes=sum(st.real_saved.values()),
+        param_grad_bytes=tuple(param_grads),
     )
 
 
@@ -906,6 +1047,15 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
     memory = st.memory
     assert memory is not None
     value = memory.peak
+    allocator = st.allocator
+
+    def scratch(span: int, first: int, last: int) -> int:
+        """What only the allocator saw inside one call / autograd function (kernel scratch)."""
+        if allocator is None:
+            return 0
+        extra = allocator.rise(span) - memory.rise_with_grads(first, last)
+        return extra if extra >= SCRATCH_MIN_BYTES else 0
+
     n = len(nodes)
     fwd_peak = [0] * n
     grown = [0] * n
@@ -918,20 +1068,22 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
         start, end = rec.mem
         if last_end[v] is not None and owner_of_last == v:
             grown[v] += value(start, start) - value(last_end[v], last_end[v])
-        fwd_peak[v] = max(fwd_peak[v], grown[v] + value(start, end) - value(start, start))
+        excess = value(start, end) - value(start, start) + scratch(rec.span, start, end)
+        fwd_peak[v] = max(fwd_peak[v], grown[v] + excess)
         grown[v] += value(end, end) - value(start, start)
         last_end[v], owner_of_last = end, v
     bwd_peak = [0] * n
     grown = [0] * n
     last_end = [None] * n
     owner_of_last = None
-    for index, pre, post in st.backward:
+    for index, pre, post, span in st.backward:
         v = call_node[index]
         if v is None or pre < 0:
             continue
         if last_end[v] is not None and owner_of_last == v:
             grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
-        bwd_peak[v] = max(bwd_peak[v], grown[v] + value(pre, post) - value(pre, pre))
+        excess = value(pre, post) - value(pre, pre) + scratch(span, pre, post)
+        bwd_peak[v] = max(bwd_peak[v], grown[v] + excess)
         grown[v] += value(post, post) - value(pre, pre)
         last_end[v], owner_of_last = post, v
     last_reader = [-1] * n

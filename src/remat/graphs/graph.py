@@ -80,6 +80,12 @@ class Node:
     """Transient bytes during the backward beyond the input gradients it produces."""
     saved_inputs: tuple[int, ...] | None = None
     """The inputs the backward reads (a subset of ``inputs``); ``None`` means all of them."""
+    keeps_output: bool = True
+    """True (the chain model's assumption) when the node's own backward reads its output (a
+    ReLU, a softmax), so a stored node holds it until that backward. False when only its
+    consumers' backwards keep it (a convolution's output, saved by the next batch norm) or
+    none does: the output is then freed as soon as its last reader (a forward that reads it,
+    a backward that saved it, a checkpoint) is done, before the node's own backward."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -96,6 +102,8 @@ class Node:
             set_(self, name, value)
         for name in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
             set_(self, name, _as_bytes(self.name, name, getattr(self, name)))
+        if not isinstance(self.keeps_output, bool):
+            raise TypeError(f"node {self.name!r}: keeps_output must be a bool")
         if self.saved_bytes < self.out_bytes:
             raise ValueError(
                 f"node {self.name!r}: saved_bytes ({self.saved_bytes}) < out_bytes "
@@ -126,6 +134,8 @@ class Node:
         data["inputs"] = list(self.inputs)
         if self.saved_inputs is not None:
             data["saved_inputs"] = list(self.saved_inputs)
+        if self.keeps_output:
+            del data["keeps_output"]  # the default: graphs written before it read the same
         return data
 
 

@@ -315,6 +315,12 @@ class StageModel(_Model):
     """
 
     def __init__(self, graph: Graph) -> None:
+        if not all(node.keeps_output for node in graph.nodes):
+            raise ValueError(
+                "the 'stages' encoding assumes every node keeps its own output until its "
+                "backward (Node.keeps_output); this graph has nodes that do not: use "
+                "encoding='runs'"
+            )
         super().__init__(graph)
         n, sinks, maxcons = self.n, self.sinks, self.maxcons
         self.L = n
@@ -477,7 +483,29 @@ class RunModel(_Model):
         for i, node in enumerate(nodes):
             self.objective[self.col_r[i]] = node.fwd_time
         self.col_RS = [self._new(ub=math.inf) for _ in range(n)]
-        overheads = any(self.foh)
+        # outputs that only consumers' backwards keep (Node.keeps_output False): a recomputed
+        # copy lives from its first saving consumer's recomputation on (z), and during the
+        # recomputation pass only while a later node of the run still reads it (y)
+        self.keeps = [node.keeps_output for node in nodes]
+        self.first_saver: list[int | None] = []
+        for j in range(n):
+            savers = [w for w in graph.consumers(j) if j in nodes[w].backward_inputs]
+            self.first_saver.append(min(savers) if savers else None)
+        self.col_z = {
+            j: self._new()
+            for j in range(n)
+            if not self.keeps[j] and self.first_saver[j] is not None
+        }
+        self.col_y: dict[tuple[int, int], tuple[int, int]] = {}  # (j, m) -> (column, d)
+        for j in range(n):
+            if self.keeps[j]:
+                continue
+            cons = graph.consumers(j)
+            stop = self.first_saver[j] if self.first_saver[j] is not None else n
+            for m in range(j + 1, min(stop, self.maxcons[j] + 1)):
+                d = min(w for w in cons if w >= m)
+                self.col_y[(j, m)] = (self._new(), d)
+        overheads = any(self.foh) or not all(self.keeps)
         self.col_MX = [self._new(ub=math.inf) for _ in range(n)] if overheads else []
         self.hold = [max(u, maxcons[u]) for u in range(n)]  # last stage index that can hold u
         self.col_S: dict[tuple[int, int], int] = {}
@@ -495,6 +523,28 @@ class RunModel(_Model):
         n, nodes, graph = self.n, self.graph.nodes, self.graph
         r, e, RS, MX, B = self.col_r, self.col_e, self.col_RS, self.col_MX, self.col_budget
         big = sum(self.saved) + max(self.foh)  # bounds every run sum and running max
+        keeps, z, y = self.keeps, self.col_z, self.col_y
+        # what a recomputed node k adds to the run sum: its saved tensors, less its output when
+        # its own backward does not keep it, plus the outputs whose first saving consumer is k
+        run_saved = [self.saved[k] if keeps[k] else self.res[k] for k in range(n)]
+        joins: list[dict[int, float]] = [{} for _ in range(n)]
+        for j, col in z.items():
+            joins[self.first_saver[j]][col] = -self.out[j]  # type: ignore[index]
+
+        def same_run(col: int, j: int, d: int, group: str) -> None:
+            # col >= 1 when j..d are recomputed in one segment: r[d] + sum q[j..d-1] - (d - j)
+            coef: dict[int, float] = {col: 1.0, r[d]: -1.0}
+            for i in range(j, d):
+                coef[r[i]] = coef.get(r[i], 0.0) - 1.0
+                coef[e[i]] = coef.get(e[i], 0.0) + 1.0
+            self._row(coef, -(d - j), math.inf, group)
+
+        for j, col in z.items():
+            same_run(col, j, self.first_saver[j], "U recurrence")  # type: ignore[arg-type]
+        read_later: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for (j, m), (col, d) in y.items():
+            same_run(col, j, d, "U recurrence")
+            read_later[m].append((j, col))
         # [R shape] e[v] <= r[v]; a segment going on after i needs i+1: q[i] <= r[i+1];
         # the last node ends its segment
         for i in range(n):
@@ -503,16 +553,21 @@ class RunModel(_Model):
             self._row({r[i]: 1, e[i]: -1, **nxt}, -math.inf, 0, "R runs")
         # [U recurrence] RS[k] = saved_k r[k] + q[k-1] RS[k-1] (recomputed copies of the run)
         for k in range(n):
-            self._row({RS[k]: 1, r[k]: -self.saved[k]}, 0, math.inf, "U recurrence")
+            self._row({RS[k]: 1, r[k]: -run_saved[k], **joins[k]}, 0, math.inf, "U recurrence")
             if k:
                 self._row(
-                    {RS[k]: 1, RS[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big},
-                    self.saved[k] - big,
+                    {RS[k]: 1, RS[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big, **joins[k]},
+                    run_saved[k] - big,
                     math.inf,
                     "U recurrence",
                 )
-            if overheads:  # MX[k] = max over the run so far of RS + forward overhead
-                self._row({MX[k]: 1, RS[k]: -1, r[k]: -self.foh[k]}, 0, math.inf, "U recurrence")
+            if overheads:  # MX[k] = max over the run so far of what the recomputation holds
+                # at node k: RS, k's output, the outputs a later node of the run still reads
+                alloc = self.foh[k] + (0.0 if keeps[k] else self.out[k])
+                coef = {MX[k]: 1.0, RS[k]: -1.0, r[k]: -alloc}
+                for j, col in read_later[k]:
+                    coef[col] = -self.out[j]
+                self._row(coef, 0, math.inf, "U recurrence")
                 if k:
                     self._row(
                         {MX[k]: 1, MX[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big},
@@ -528,7 +583,8 @@ class RunModel(_Model):
                 )
         # [(1b) stored output] b_u reads f_u's saved tensors unless u is recomputed
         for u in range(n):
-            self._row({self._S(u, u): 1, r[u]: 1}, 1, math.inf, "(1b) stored output")
+            if keeps[u]:
+                self._row({self._S(u, u): 1, r[u]: 1}, 1, math.inf, "(1b) stored output")
         # [(1b) saved input] a stored consumer w keeps the inputs its backward reads
         for w, node in enumerate(nodes):
             for u in node.backward_inputs:
@@ -617,10 +673,8 @@ def _lower_bound(graph: Graph) -> int:
     for v in range(n):
         grads = sum(nodes[u].out_bytes for u in range(v + 1) if u in sinks or maxcons[u] > v)
         new = sum(nodes[u].out_bytes for u in nodes[v].inputs if maxcons[u] == v)
-        best = max(
-            best,
-            graph.input_bytes + grads + new + nodes[v].saved_bytes + nodes[v].bwd_overhead_bytes,
-        )
+        own = nodes[v].saved_bytes if nodes[v].keeps_output else nodes[v].residual_bytes
+        best = max(best, graph.input_bytes + grads + new + own + nodes[v].bwd_overhead_bytes)
     return best
 
 

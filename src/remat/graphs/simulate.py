@@ -49,6 +49,7 @@ from remat.graphs.plan import GraphPlan, GraphSegment
 
 __all__ = [
     "simulate_graph",
+    "simulate_step_peak",
     "lower_plan",
     "run_schedule",
     "GraphSimulation",
@@ -149,6 +150,33 @@ def simulate_graph(
     order is not topological.
     """
     return run_schedule(graph, lower_plan(graph, plan, order))
+
+
+def simulate_step_peak(
+    graph: Graph,
+    plan: GraphPlan,
+    fixed_bytes: int,
+    param_grad_bytes: Sequence[int],
+    order: Sequence[int] | None = None,
+) -> int:
+    """The whole training step's peak: ``fixed_bytes`` (parameters, buffers, optimizer state:
+    whatever lives all step besides ``graph.input_bytes``) + the parameter gradients made so far
+    + the plan's live bytes, maximised over the simulated timeline. ``param_grad_bytes[v]`` (from
+    :attr:`remat.graphs.capture.GraphTrace.param_grad_bytes`) is counted from the backward of
+    ``v`` on, during that backward too. Compare with :func:`remat.measure.step_peak_bytes` of a
+    step that starts with no parameter gradient (``fixed_bytes`` then excludes them).
+    """
+    if len(param_grad_bytes) != graph.n:
+        raise ValueError(
+            f"param_grad_bytes has {len(param_grad_bytes)} entries; the graph has {graph.n} nodes"
+        )
+    grads = 0
+    peak = 0
+    for event in simulate_graph(graph, plan, order).timeline:
+        if event.op == "B":
+            grads += param_grad_bytes[event.node]
+        peak = max(peak, grads + event.peak_bytes)
+    return fixed_bytes + peak
 
 
 def lower_plan(
@@ -342,7 +370,8 @@ class _Lowering:
                 res: Tensor = ("res", v, version)
                 allocs.append((res, node.residual_bytes))
                 inputs = {u: t for u, t in zip(node.inputs, reads, strict=True)}
-                self.holds[v] = [out, res, *(inputs[u] for u in node.backward_inputs)]
+                held = [out, res] if node.keeps_output else [res]
+                self.holds[v] = [*held, *(inputs[u] for u in node.backward_inputs)]
             recompute = self.computed[v] > 0
             self.computed[v] += 1
             op = "F_all" if grad else "F_none"

@@ -14,7 +14,7 @@ same orders of magnitude as on a captured model.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from remat.graphs.graph import Graph, Node
 
@@ -37,11 +37,14 @@ def random_dag(
     locality: int = 4,
     overheads: bool = True,
     single_sink: bool = True,
+    free_outputs: bool = False,
 ) -> Graph:
     """A random DAG of ``n`` nodes with integer costs (reproducible by seed).
 
     Node ``v`` reads 1..``max_inputs`` earlier nodes, mostly among the ``locality`` previous
-    ones; with ``single_sink`` every node without a reader is given one later reader.
+    ones; with ``single_sink`` every node without a reader is given one later reader. With
+    ``free_outputs`` about half of the nodes do not keep their own output for their backward
+    (``Node.keeps_output``; drawn from a separate stream, the rest of the graph is unchanged).
     """
     rng = random.Random(seed)
     inputs: list[set[int]] = [set() for _ in range(n)]
@@ -76,7 +79,11 @@ def random_dag(
                 saved_inputs=saved_inputs,
             )
         )
-    return Graph(tuple(nodes), input_bytes=rng.randint(1, max_bytes))
+    input_bytes = rng.randint(1, max_bytes)
+    if free_outputs:
+        flags = random.Random(f"{seed}/keeps_output")
+        nodes = [replace(node, keeps_output=flags.random() < 0.5) for node in nodes]
+    return Graph(tuple(nodes), input_bytes=input_bytes)
 
 
 @dataclass
