@@ -144,3 +144,17 @@ def test_loss_fn_with_labels_and_custom_call():
     assert chain.input_bytes == 5 * 6 * 4 + 5 * 8
     with pytest.raises(ValueError, match="never called the model"):
         capture_chain(model, batch, lambda m, b: b[0].sum())
+
+
+def test_capture_inside_a_profiler_warns_and_leaves_it_running():
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with pytest.warns(UserWarning, match="inside a torch.profiler session"):
+            chain = capture_chain(model, torch.randn(4, 8), repeats=1)
+        assert torch.autograd.profiler._is_profiler_enabled
+        torch.ones(3).sum()
+    assert chain.n == 3
+    assert any(e.name == "aten::sum" for e in prof.events())

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -448,6 +449,14 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
     if fake:
         return contextlib.nullcontext(), contextlib.nullcontext()
     from remat.measure import AllocatorWindow
+
+    if torch.autograd.profiler._is_profiler_enabled and (device is None or device.type == "cpu"):
+        warnings.warn(
+            "remat.capture runs inside a torch.profiler session: it cannot count the scratch "
+            "memory of oneDNN kernels (convolutions, batch norms, LSTMs) and may under-predict "
+            "such models; capture outside the profiler",
+            stacklevel=4,
+        )
 
     return AllocatorWindow(device), AllocatorWindow(device)
 

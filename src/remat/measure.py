@@ -108,7 +108,8 @@ class AllocatorWindow:
     Counted from the allocator itself, so it sees what a TorchDispatchMode (MemTracker) cannot:
     scratch memory that kernels allocate internally, such as oneDNN's convolution and batch-norm
     workspaces on the CPU. On the CPU from the profiler's memory events, on CUDA from
-    ``torch.cuda.max_memory_allocated``; ``peak_bytes`` is ``None`` on other devices.
+    ``torch.cuda.max_memory_allocated``. ``peak_bytes`` is ``None`` on other devices and when a
+    profiler is already running (a second one would end the user's session).
 
     Example:
         >>> with AllocatorWindow(torch.device("cpu")) as window:
@@ -128,7 +129,7 @@ class AllocatorWindow:
             torch.cuda.synchronize(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.device.type == "cpu":
+        elif self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled:
             from torch.profiler import ProfilerActivity, profile
 
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

@@ -361,7 +361,11 @@ def _measure(
         warmup_steps=warmup,
         cuda_max_allocated_bytes=cuda_peak,
         model_name=type(model).__name__,
-        allocator_peak_bytes=tracker.start_bytes + window.peak_bytes if on_cpu else None,
+        allocator_peak_bytes=(
+            tracker.start_bytes + window.peak_bytes
+            if on_cpu and window.peak_bytes is not None
+            else None
+        ),
     )
 
 
