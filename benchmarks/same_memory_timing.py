@@ -240,7 +240,8 @@ def _least_memory_within(work: Workload, time_ratio: float) -> tuple[Plan, float
         peak = total_peak_bytes(chain, plan, persistent, work.grad_bytes, work.grad_rise_bytes)
         scored.append((ratio, peak, plan))
     fitting = [c for c in scored if c[0] <= time_ratio]
-    ratio, _, plan = min(fitting, key=lambda c: (c[1], c[0])) if fitting else min(scored)[:3]
+    best = min(fitting, key=lambda c: (c[1], c[0])) if fitting else min(scored, key=lambda c: c[0])
+    ratio, _, plan = best
     return plan, ratio
 
 
