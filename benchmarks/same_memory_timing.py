@@ -190,7 +190,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        plan = r["remat_plan"] if len(r["remat_plan"]) < 60 else r["remat_plan"][:57] + "..."
+        plan = _short(r["remat_plan"])
         lines.append(
             f"| {r['peer']} | {r['peer_memory_ratio']:.3f} | {r['peer_time_ratio']:.2f} | "
             f"{r['remat_memory_ratio']:.3f} | {r['remat_time_ratio']:.2f} | "
@@ -209,7 +209,7 @@ def main() -> int:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in time_rows:
-            plan = r["remat_plan"] if len(r["remat_plan"]) < 60 else r["remat_plan"][:57] + "..."
+            plan = _short(r["remat_plan"])
             lines.append(
                 f"| {r['peer']} | {r['peer_memory_ratio']:.3f} | {r['peer_time_ratio']:.2f} | "
                 f"{r['remat_memory_ratio']:.3f} | {r['remat_time_ratio']:.2f} | "
@@ -224,6 +224,11 @@ def main() -> int:
     (out / "same-memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _short(plan: str) -> str:
+    """A plan's description cut to fit a table cell."""
+    return plan if len(plan) < 60 else plan[:57] + "..."
 
 
 def _least_memory_within(work: Workload, time_ratio: float) -> tuple[Plan, float]:
