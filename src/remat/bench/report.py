@@ -100,6 +100,10 @@ def write_plots(out: Path, suite: str, rows: list[dict[str, Any]]) -> list[Path]
                 xytext=(3, 3),
                 textcoords="offset points",
             )
+        xs = [r["memory_ratio"] for r in points]
+        if max(xs) - min(xs) < 0.02:  # equal peaks: no axis magnified to a few bytes
+            ax.set_xlim(min(xs) - 0.05, max(xs) + 0.05)
+            ax.ticklabel_format(axis="x", useOffset=False)
         ax.set_xlabel("peak memory / eager")
         ax.set_ylabel("step time / eager")
         ax.set_title(f"{suite}: {model}")
