@@ -27,6 +27,12 @@ What this suite does, per model (:data:`DEFAULT_MODELS`, the paper's order and s
 3. **Speed** (``part == "speed"``, not in ``--quick``): ``reforward`` and ``articulation`` on
    DenseNet-201 at op level (target < 10 s), ``checkmate-milp`` on ResNet-50 at module level
    at the ``reforward`` memory (target < 60 s).
+4. **MILP formulations** (:func:`milp_speed`, separately: ``python -m remat.bench.reforward
+   milp-speed --out docs/results/reforward``, ~10 min): ``checkmate-milp`` on ResNet-50 at
+   module level (paper size) at 0.7 and 0.5 of the regular peak and at the ``reforward``
+   memory, with the plain model (``strengthen=False``) and the strengthened one, on the graph
+   as captured and on the same graph with every ``keeps_output`` set (the cost model before
+   outputs freed by their consumers were modelled): ``milp_speed.json`` / ``milp_speed.md``.
 
 Every row has ``model``, ``method``, ``part``, ``peak_bytes``, ``memory_ratio`` and
 ``time_ratio`` (table rows also the paper's columns and ``target_met``).
@@ -773,3 +779,97 @@ def _discussion(by_model: dict[str, dict[str, dict]], measured: list[dict]) -> s
             "  Measured CPU ratios more than 0.1 above the prediction: " + "; ".join(worse) + "."
         )
     return "\n".join(text)
+
+
+# ---------------------------------------------------------------------- MILP formulations
+MILP_SPEED_FRACTIONS = (0.7, 0.5)
+"""Budgets of :func:`milp_speed` as fractions of the regular peak (plus the reforward memory)."""
+
+
+def milp_speed(out: Path, time_limit_s: float = MILP_SECONDS) -> list[dict]:
+    """``checkmate-milp`` solve times on ResNet-50 (module level, paper size), plain vs
+    strengthened formulation, at 0.7 / 0.5 of the regular peak and at the ``reforward`` plan's
+    memory; writes ``out/milp_speed.json`` and ``out/milp_speed.md``."""
+    import json
+    import os
+
+    from remat.graphs.graph import Graph
+    from remat.graphs.plan import GraphPlan
+    from remat.graphs.planners import plan_graph
+    from remat.graphs.simulate import simulate_graph
+
+    batch, image = PAPER["resnet50"][:2]
+    graph, _, _, _ = capture("resnet50", batch, image, "module")
+    kept = Graph(
+        tuple(replace(n, keeps_output=True) for n in graph.nodes),
+        graph.input_bytes,
+        graph.time_unit,
+    )
+    rows: list[dict] = []
+    for variant, g in (("captured", graph), ("keeps_output=True", kept)):
+        none = simulate_graph(g, GraphPlan.none()).peak_bytes
+        ref = plan_graph(g, "reforward").predicted_peak_bytes
+        budgets = [(f"{f:g}", int(f * none)) for f in MILP_SPEED_FRACTIONS]
+        budgets.append(("reforward", ref))
+        for label, budget in budgets:
+            for strengthen in (False, True):
+                start = time.perf_counter()
+                plan = plan_graph(
+                    g, "checkmate-milp", budget, time_limit_s=time_limit_s, strengthen=strengthen
+                )
+                seconds = time.perf_counter() - start
+                p = plan.params
+                rows.append(
+                    {
+                        "graph": variant,
+                        "nodes": g.n,
+                        "budget": label,
+                        "budget_bytes": budget,
+                        "memory_ratio": round(budget / none, 4),
+                        "formulation": "strengthened" if strengthen else "plain",
+                        "seconds": round(seconds, 2),
+                        "status": p["status"],
+                        "mip_gap": round(float(p["mip_gap"]), 4),
+                        "overhead": round(simulate_graph(g, plan).overhead, 4),
+                        "bb_nodes": p.get("mip_node_count"),
+                        "rows": p["rows"],
+                        "columns": p["columns"],
+                        "time_limit_s": time_limit_s,
+                    }
+                )
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}
+    (out / "milp_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [
+        "# checkmate-milp on ResNet-50 (module level, batch 64, 224²): plain vs strengthened",
+        "",
+        f"`python -m remat.bench.reforward milp-speed` (HiGHS via scipy.optimize.milp, time "
+        f"limit {time_limit_s:.0f} s, wall seconds on a shared 2-core machine, load average "
+        f"{meta['load_average'][0]:.1f} at the end). Strengthened: the kept-copy variables `S` "
+        "declared integer, big-M constants and variable bounds from the budget "
+        "(`MilpConfig.strengthen`). `overhead`: recomputation time over forward + backward of "
+        "the returned plan.",
+        "",
+        "| graph | budget | formulation | seconds | status | gap | overhead | B&B nodes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['graph']} | {r['budget']} ({r['memory_ratio']:.3f}) | {r['formulation']} | "
+            f"{r['seconds']:.1f} | {r['status']} | {r['mip_gap']:.2%} | {r['overhead']:.4f} | "
+            f"{r['bb_nodes']} |"
+        )
+    (out / "milp_speed.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="remat.bench.reforward extra parts")
+    parser.add_argument("part", choices=["milp-speed"])
+    parser.add_argument("--out", type=Path, default=Path("docs/results/reforward"))
+    parser.add_argument("--time-limit", type=float, default=MILP_SECONDS)
+    args = parser.parse_args()
+    for row in milp_speed(args.out, args.time_limit):
+        print(row)

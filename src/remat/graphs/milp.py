@@ -110,6 +110,11 @@ class MilpConfig:
     encoding: str = "runs"
     """``"runs"`` (2n binaries, default) or ``"stages"`` (Checkmate's n^2/2 stage matrix);
     both encode the same problem and give the same optimum."""
+    strengthen: bool = True
+    """``runs`` encoding: declare the kept copies ``S`` integer (they are 0/1 in every plan;
+    HiGHS then branches and presolves on them) and derive big-M constants and variable bounds
+    from the budget. Same optimum, faster (``docs/results/reforward/milp_speed.md``); False
+    builds the plain budget-independent model (for comparisons)."""
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
@@ -151,6 +156,7 @@ class _Model:
 
     n_binary: int
     col_budget: int
+    integer_cols: list[int]
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
@@ -184,6 +190,7 @@ class _Model:
         ]
         self.loss_grads = sum(self.out[o] for o in self.sinks)
         self.ncols = 0
+        self.integer_cols = []
         self.lb: dict[int, float] = {}
         self.ub: dict[int, float] = {}
         self.objective: dict[int, float] = {}
@@ -250,6 +257,8 @@ class _Model:
         integrality = np.zeros(self.ncols)
         if integral:
             integrality[: self.n_binary] = 1
+            for col in self.integer_cols:
+                integrality[col] = 1
         if budget is None:
             c = c / max(1.0, float(c.sum())) * 1e-6  # tie-break on time, minimise the peak
             c[self.col_budget] = 1.0
@@ -474,8 +483,9 @@ class RunModel(_Model):
     edge spans) rows, against n^2/2 binaries for :class:`StageModel`; same optimum (tested).
     """
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, cap_bytes: int | None = None) -> None:
         super().__init__(graph)
+        self.cap = None if cap_bytes is None else cap_bytes / self.scale
         n, nodes, maxcons = self.n, graph.nodes, self.maxcons
         self.col_r = [self._new() for _ in range(n)]
         self.col_e = [self._new() for _ in range(n)]
@@ -528,8 +538,32 @@ class RunModel(_Model):
         # its own backward does not keep it, plus the outputs whose first saving consumer is k
         run_saved = [self.saved[k] if keeps[k] else self.res[k] for k in range(n)]
         joins: list[dict[int, float]] = [{} for _ in range(n)]
+        joined = [0.0] * n
         for j, col in z.items():
             joins[self.first_saver[j]][col] = -self.out[j]  # type: ignore[index]
+            joined[self.first_saver[j]] += self.out[j]  # type: ignore[index]
+        # bounds on the run sums (big-M of the recurrence): the longest run ending at k, and,
+        # under a budget cap, what stage T(k) leaves of it (any plan that fits obeys both)
+        ub_rs, total = [], 0.0
+        for k in range(n):
+            total += run_saved[k] + joined[k]
+            ub = total
+            if self.cap is not None:
+                stage = self.inp + self.grad_start[k] + self.grad_new[k] + self.boh[k]
+                ub = max(0.0, min(ub, self.cap - stage))
+            ub_rs.append(ub)
+            if self.cap is None:
+                continue  # the plain model (checkmate-lp's relaxation, strengthen=False)
+            self.ub[RS[k]] = ub
+            if ub < run_saved[k] - 1e-9:  # k cannot be recomputed at all under the cap
+                self.ub[r[k]] = self.ub[e[k]] = 0.0
+        ub_mx = [big] * n
+        if overheads and self.cap is not None:
+            least_start = math.inf
+            for k in reversed(range(n)):  # MX[k] is paid at the end of its run, some v >= k
+                least_start = min(least_start, self.inp + self.grad_start[k])
+                ub_mx[k] = max(0.0, self.cap - least_start)
+                self.ub[MX[k]] = ub_mx[k]
 
         def same_run(col: int, j: int, d: int, group: str) -> None:
             # col >= 1 when j..d are recomputed in one segment: r[d] + sum q[j..d-1] - (d - j)
@@ -555,9 +589,10 @@ class RunModel(_Model):
         for k in range(n):
             self._row({RS[k]: 1, r[k]: -run_saved[k], **joins[k]}, 0, math.inf, "U recurrence")
             if k:
+                m_k = big if self.cap is None else ub_rs[k - 1] + run_saved[k] + joined[k]
                 self._row(
-                    {RS[k]: 1, RS[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big, **joins[k]},
-                    run_saved[k] - big,
+                    {RS[k]: 1, RS[k - 1]: -1, r[k - 1]: -m_k, e[k - 1]: m_k, **joins[k]},
+                    run_saved[k] - m_k,
                     math.inf,
                     "U recurrence",
                 )
@@ -569,12 +604,15 @@ class RunModel(_Model):
                     coef[col] = -self.out[j]
                 self._row(coef, 0, math.inf, "U recurrence")
                 if k:
+                    m_k = ub_mx[k - 1]
                     self._row(
-                        {MX[k]: 1, MX[k - 1]: -1, r[k - 1]: -big, e[k - 1]: big},
-                        -big,
+                        {MX[k]: 1, MX[k - 1]: -1, r[k - 1]: -m_k, e[k - 1]: m_k},
+                        -m_k,
                         math.inf,
                         "U recurrence",
                     )
+        if self.cap is not None:  # the kept copies are 0/1 in every plan: let HiGHS branch
+            self.integer_cols = list(self.col_S.values())
         # [(1c) + FREE] S[u,v-1] <= S[u,v]: kept into a later stage => kept into earlier ones
         for u in range(n):
             for v in range(u + 1, self.hold[u] + 1):
@@ -635,8 +673,12 @@ class RunModel(_Model):
             if overheads:  # the recomputation phase, when v ends a segment
                 start.pop(RS[v])
                 start[MX[v]] = 1
-                start[e[v]] = start.get(e[v], 0.0) + big
-                self._row(start, -math.inf, -const + big, "U <= budget (recompute)")
+                # relaxed when e[v] = 0 by the most the row's left side can reach
+                m_v = big
+                if self.cap is not None:
+                    m_v = const + sum(self.out[u] for u in range(v + 1)) + ub_mx[v]
+                start[e[v]] = start.get(e[v], 0.0) + m_v
+                self._row(start, -math.inf, -const + m_v, "U <= budget (recompute)")
 
     def fractions(self, x: Any) -> tuple[list[float], list[float]]:
         return [float(x[c]) for c in self.col_r], [float(x[c]) for c in self.col_e]
@@ -659,8 +701,10 @@ class RunModel(_Model):
         return tuple(segs)
 
 
-def _model(graph: Graph, encoding: str) -> _Model:
-    return RunModel(graph) if encoding == "runs" else StageModel(graph)
+def _model(graph: Graph, encoding: str, cap_bytes: int | None = None) -> _Model:
+    """The MILP of ``graph``; ``cap_bytes`` (an upper bound of every budget it will be solved
+    at) tightens the ``runs`` encoding's big-M constants and variable bounds."""
+    return RunModel(graph, cap_bytes) if encoding == "runs" else StageModel(graph)
 
 
 def _lower_bound(graph: Graph) -> int:
@@ -688,9 +732,8 @@ def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
 
 
 def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
-    model = _model(graph, config.encoding)
     if budget < _lower_bound(graph):
-        minimum, status = _minimum_peak(model, config.time_limit_s)
+        minimum, status = _minimum_peak(_model(graph, config.encoding), config.time_limit_s)
         raise BudgetTooSmallError(
             budget,
             minimum if minimum is not None else _lower_bound(graph),
@@ -698,13 +741,14 @@ def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
             "below what the loss or some backward needs"
             + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
         )
+    model = _model(graph, config.encoding, budget if config.strengthen else None)
     target = budget
     for _ in range(3):
         sol = model.solve(
             target, integral=True, time_limit_s=config.time_limit_s, mip_rel_gap=config.mip_rel_gap
         )
         if sol["status"] == "infeasible":
-            minimum, status = _minimum_peak(model, config.time_limit_s)
+            minimum, status = _minimum_peak(_model(graph, config.encoding), config.time_limit_s)
             raise BudgetTooSmallError(
                 budget,
                 minimum if minimum is not None else budget + 1,
