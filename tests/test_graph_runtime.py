@@ -145,8 +145,8 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
     """A real capture also measures the scratch memory CPU kernels allocate inside themselves
     (oneDNN convolution reorders: on ResNet-18 at 32 x 32 about 35 MiB, 40 times the
     activations) with the allocator's own events; the whole step's peak (allocator events,
-    parameter gradients included) is then predicted within 1 % of what the step adds to the
-    fixed bytes. The fake graph (no scratch) under-predicts ResNet-18's by over 20 %."""
+    parameter gradients included) is then predicted within 2 % of what the step adds to the
+    fixed bytes, ResNet-18's within 1 KiB. The fake graph (no scratch) under-predicts ResNet-18's by over 20 %."""
     entry = zoo.get(name, **MODELS[name])
     trace = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op")
     fake = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True)
@@ -154,11 +154,15 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
         plan = plan_graph(trace.graph, "reforward") if plan_name == "reforward" else None
         plan = plan or GraphPlan.none()
         measured, predicted, fixed = measured_and_predicted_step_peak(entry, trace, plan)
-        assert abs(measured - predicted) <= 0.01 * (measured - fixed), (
+        # measured: ResNet-18 8 bytes apart, MobileNetV2 <= 0.05 %, GPT-2's reforward plan
+        # +0.95 %: the executor's RNG stashes (5 kB per random call of a segment)
+        assert abs(measured - predicted) <= 0.02 * (measured - fixed), (
             plan_name,
             measured,
             predicted,
         )
+        if name == "resnet18":  # no random call: exact up to the 1 KiB scratch threshold
+            assert abs(measured - predicted) <= 1024, (plan_name, measured, predicted)
         fixed_no_batch = fixed - trace.batch_bytes
         blind = simulate_step_peak(
             fake.graph, GraphPlan(plan.segments), fixed_no_batch, fake.param_grad_bytes
