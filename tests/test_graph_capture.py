@@ -212,3 +212,23 @@ def test_capture_restores_the_model():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_inside_a_running_profiler_capture_warns_and_counts_no_scratch():
+    """A second profiler would end the user's session: the capture stands aside (as the chain
+    capture does) and says that kernel scratch is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(2, 3, 16, 16)
+    fake = capture_graph(model, x, level="op", fake=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with pytest.warns(UserWarning, match="inside a torch.profiler session"):
+            inside = capture_graph(model, x, level="op")
+    assert prof.profiler is not None  # the user's session is still there
+    for a, b in zip(inside.nodes, fake.nodes, strict=True):
+        assert (a.fwd_overhead_bytes, a.bwd_overhead_bytes) == (
+            b.fwd_overhead_bytes,
+            b.bwd_overhead_bytes,
+        )

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -498,7 +499,15 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     tracker = StepTracker(timeline=False) if costs else None
     st.memory = _Memory(tracker) if tracker is not None else None
     if costs and not flops:  # fake tensors allocate nothing: no kernel scratch to see
-        st.allocator = _Allocator(_device_of(model, batch))
+        if torch.autograd.profiler._is_profiler_enabled:  # a second one would end the user's
+            warnings.warn(
+                "capture_graph runs inside a torch.profiler session: it cannot count the "
+                "scratch memory of kernels (oneDNN convolutions, batch norms) and may "
+                "under-predict such models; capture outside the profiler",
+                stacklevel=5,
+            )
+        else:
+            st.allocator = _Allocator(_device_of(model, batch))
     params = list(model.parameters())
     grads = {p: p.grad for p in params}
     for p in params:
