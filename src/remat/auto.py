@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "auto",
     "AutoSummary",
+    "checkpoint_state_bytes",
     "fixed_bytes",
     "plan_for_total_budget",
     "predicted_step_peak_bytes",
@@ -247,13 +248,20 @@ def total_peak_bytes(
     persistent: int,
     grad_bytes: Sequence[int],
     grad_rise_bytes: Sequence[int] | None = None,
+    segment_state_bytes: int | None = None,
 ) -> int:
     """The whole step's predicted peak: ``persistent`` bytes (parameters, buffers, optimizer
     state) + the parameter gradients made so far + the plan's live activation bytes, maximised
-    over the simulated timeline. A stage's gradients count from its first backward on: during
+    over the simulated timeline, + ``segment_state_bytes`` per checkpointed segment (default:
+    the CPU RNG state, :func:`checkpoint_state_bytes`, that the executor's checkpoints keep to
+    replay dropout; counted for every segment at once, an upper bound of a few KiB each). A stage's gradients count from its first backward on: during
     that backward they add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`:
     a weight gradient is often made after the backward's activation peak), after it all of
     ``grad_bytes[i]``; without ``grad_rise_bytes``, all of it during the backward too."""
+    if segment_state_bytes is None:
+        segment_state_bytes = checkpoint_state_bytes()
+    segments = sum(1 for seg in plan.for_chain(chain).walk() if seg.checkpoint)
+    persistent += segments * segment_state_bytes
     rise = list(grad_bytes) if not grad_rise_bytes else list(grad_rise_bytes)
     made = [False] * chain.n
     grads = 0
@@ -267,6 +275,13 @@ def total_peak_bytes(
             continue
         peak = max(peak, persistent + grads + event.peak_bytes)
     return max(peak, persistent + sum(grad_bytes) + chain.input_bytes)
+
+
+def checkpoint_state_bytes() -> int:
+    """Bytes each checkpointed segment of the executor keeps until its backward: the CPU RNG
+    state (``torch.get_rng_state()``, 5,056 bytes), saved so that recomputed dropout draws the
+    same masks (CUDA RNG states are a few bytes more, also in host memory)."""
+    return torch.get_rng_state().numel()
 
 
 def predicted_step_peak_bytes(
