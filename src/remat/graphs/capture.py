@@ -86,6 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.capture import SCRATCH_MIN_BYTES
 from remat.graphs.graph import Graph, Node
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 
@@ -604,12 +605,6 @@ class _Memory:
         included (what the allocator also counts)."""
         samples = self.tracker._with_grads
         return max(samples[first : last + 1], default=0) - samples[first]
-
-
-SCRATCH_MIN_BYTES = 1024
-"""Allocator-only bytes of one call below this are ignored (the wrapped scalars C++ kernels
-make for a Python number), as in the chain capture (``remat.capture``): real and fake graphs
-stay byte-identical where no kernel allocates real scratch memory."""
 
 
 class _Allocator:
