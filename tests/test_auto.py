@@ -198,6 +198,14 @@ def test_auto_plans_a_model_that_is_not_a_chain_as_a_graph(budget_fraction) -> N
         assert summary.predicted_peak_bytes <= budget
         assert summary.predicted_activation_peak_bytes < summary.unplanned_activation_peak_bytes
         assert profile(planned, x).peak_bytes <= budget  # measured, the whole step
+
+        def step() -> None:
+            planned(x).square().mean().backward()
+            planned.zero_grad(set_to_none=True)
+
+        measured = step_peak_bytes(step, planned, None, x)  # the allocator's count
+        assert measured <= budget
+        assert abs(measured - summary.predicted_peak_bytes) <= 0.02 * measured
     for name, grad in _branchy_grads(planned, x).items():
         torch.testing.assert_close(grad, reference[name.removeprefix("model.")])
 

@@ -448,14 +448,19 @@ def _auto_graph(
     why: str,
 ) -> tuple[nn.Module, AutoSummary]:
     """:func:`auto` for a model that is not a chain: capture its module graph, plan it with
-    ``checkmate-milp`` under the activation budget (``budget`` minus everything no plan
-    changes, every parameter gradient counted: the safe reading), or, without a budget, take
-    Re-forwarding's least-memory plan when it costs at most one extra forward (else the
-    unplanned one), and run it with the graph executor (docs/graph-executor.md)."""
+    ``checkmate-milp`` under the activation budget, or, without a budget, take Re-forwarding's
+    least-memory plan when it costs at most one extra forward (else the unplanned one), and run
+    it with the graph executor (docs/graph-executor.md).
+
+    With a budget, the MILP first gets ``budget`` minus the parameters, buffers and optimizer
+    state (parameter gradients appear during the backward); the whole step's peak of its plan
+    is then checked exactly (:func:`remat.graphs.simulate_step_peak`, gradients as the backward
+    makes them) and, if it does not fit, the MILP plans again with every gradient counted as
+    live all step (the safe reading)."""
     import warnings
 
-    from remat.graphs import GraphPlan, plan_graph, simulate_graph
-    from remat.graphs.capture import capture_graph
+    from remat.graphs import GraphPlan, plan_graph, simulate_graph, simulate_step_peak
+    from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
     from remat.planners import BudgetTooSmallError
 
@@ -464,8 +469,15 @@ def _auto_graph(
         "module graph instead (checkmate-milp / reforward, graph executor)",
         stacklevel=3,
     )
-    graph = capture_graph(model, batch, loss_fn=loss_fn, level="module")
+    trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")
+    graph = trace.graph
     fixed = fixed_bytes(model, optimizer)
+    grads = list(trace.param_grad_bytes)
+    persistent = fixed - sum(grads)
+
+    def step_peak(plan: GraphPlan) -> int:
+        return simulate_step_peak(graph, plan, persistent, grads)
+
     none = simulate_graph(graph, GraphPlan.none())
     if budget is None:
         method = "reforward"
@@ -476,12 +488,20 @@ def _auto_graph(
     else:
         method = "checkmate-milp"
         total = parse_bytes(budget)
-        try:
-            chosen = plan_graph(graph, method, max(0, total - fixed))
-        except BudgetTooSmallError as err:
-            raise BudgetTooSmallError(
-                total, fixed + err.minimum_bytes, method, "total training-step peak (graph)"
-            ) from None
+        chosen = None
+        if total - persistent > 0:
+            try:
+                first = plan_graph(graph, method, total - persistent)
+                chosen = first if step_peak(first) <= total else None
+            except BudgetTooSmallError:
+                chosen = None
+        if chosen is None:
+            try:
+                chosen = plan_graph(graph, method, max(0, total - fixed))
+            except BudgetTooSmallError as err:
+                raise BudgetTooSmallError(
+                    total, fixed + err.minimum_bytes, method, "total training-step peak (graph)"
+                ) from None
     sim = simulate_graph(graph, chosen)
     planned = apply_graph(model, chosen, graph, batch, loss_fn)
     summary = AutoSummary.of(
@@ -492,8 +512,8 @@ def _auto_graph(
         fixed,
         sim,
         none,
-        fixed + sim.peak_bytes,
-        fixed + none.peak_bytes,
+        step_peak(chosen),
+        step_peak(GraphPlan.none()),
     )
     return planned, summary
 
