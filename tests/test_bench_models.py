@@ -49,6 +49,18 @@ def test_chain_equals_torchvision_forward_and_gradients() -> None:
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_stages_compute_the_same() -> None:
+    model = _small_densenet()
+    x = torch.randn(2, 3, 32, 32)
+    ref = densenet_chain(model)(x)
+    grouped = densenet_chain(model, group=2)
+    # blocks of 2 and 3 layers: one stage of 2, then stages of 2 and 1
+    assert [len(m.layers) for m in grouped if isinstance(m, DenseStage)] == [2, 2, 1]
+    assert torch.equal(grouped(x), ref)
+    with pytest.raises(ValueError, match="group"):
+        densenet_chain(model, group=0)
+
+
 def test_refuses_memory_efficient_and_dropout_and_other_models() -> None:
     with pytest.raises(ValueError, match="memory_efficient=False"):
         densenet_chain(_small_densenet(memory_efficient=True))
@@ -89,25 +101,12 @@ def test_suite_and_runner_build_the_chain_from_the_suite_name() -> None:
     entry = zoo.get(zoo_name("densenet121"), **options)
     assert entry.batch[0].shape == (2, 3, 32, 32)
     assert isinstance(entry.model, torch.nn.Sequential)
-    # 1 stem + (6 + 12 + 24 + 16) dense layers + 3 transitions + 1 head
-    assert len(entry.model) == 1 + 58 + 3 + 1
+    # 1 stem + (6 + 12 + 24 + 16) / group dense stages + 3 transitions + 1 head
+    group = options["group"]
+    assert len(entry.model) == 1 + sum(-(-n // group) for n in (6, 12, 24, 16)) + 3 + 1
     # the factory seeds torchvision's builder: the same weights as a plain densenet121
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         reference = torchvision.models.densenet121(num_classes=10)
     x = entry.batch[0]
     assert torch.equal(entry.model(x), reference(x))
-
-
-def test_compile_budgets_not_run_are_rows_that_say_why() -> None:
-    from remat.bench.suites import DEFAULT_COMPILE_BUDGETS, _compile_budgets, _skipped_compile_rows
-
-    assert _compile_budgets("gpt2") == DEFAULT_COMPILE_BUDGETS
-    assert _skipped_compile_rows("gpt2", False) == []
-    rows = _skipped_compile_rows("densenet121", False)
-    run = _compile_budgets("densenet121")
-    assert [r["activation_memory_budget"] for r in rows] == [
-        b for b in DEFAULT_COMPILE_BUDGETS if b not in run
-    ]
-    assert rows and all("not run on densenet121" in r["error"] for r in rows)
-    assert _skipped_compile_rows("densenet121", True) == []

@@ -184,7 +184,7 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
         for setup in setups:
             progress(f"{name}: {setup.method}")
             measured.append(measure_setup(setup, work, eager_grads))
-        budgets = [] if quick else list(_compile_budgets(name))
+        budgets = [] if quick else [1.0, 0.5, 0.1]
         for b in budgets:
             progress(f"{name}: torch-compile@{b}")
             torch._dynamo.reset()
@@ -198,7 +198,6 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
                 f"{name}: torch-compile@{b} first step {row.get('first_step_seconds', 0):.0f} s"
             )
             measured.append(row)
-        measured.extend(_skipped_compile_rows(name, quick))
         torch._dynamo.reset()
         # remat: its default plans, then optimal-time at every peer's measured peak
         remat_setups = [remat_setup(work, m) for m in ("chen-sqrt", "every-stage")]
@@ -229,40 +228,6 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
                 measured.append(_rockmate_row(name, fraction, measured))
         rows.extend(_finish_rows(measured))
     return rows
-
-
-# torch.compile's activation_memory_budget values per model. A cold compile of a deep CNN's
-# forward and backward on this 2-core CPU takes minutes per budget (the phases are recorded in
-# each row's ``compile_phase_seconds``), so DenseNet-121 runs two budgets
-# (docs/results/peers/README.md says so next to its results).
-DEFAULT_COMPILE_BUDGETS = (1.0, 0.5, 0.1)
-_COMPILE_BUDGETS = {"densenet121": (1.0, 0.5)}
-
-
-def _compile_budgets(name: str) -> tuple[float, ...]:
-    return _COMPILE_BUDGETS.get(name, DEFAULT_COMPILE_BUDGETS)
-
-
-def _skipped_compile_rows(name: str, quick: bool) -> list[dict[str, Any]]:
-    """A row saying why, for each default budget not run on ``name`` (never dropped silently)."""
-    if quick:
-        return []
-    return [
-        {
-            "model": name,
-            "method": f"torch-compile@{b:g}",
-            "family": "peer",
-            "activation_memory_budget": b,
-            "error": (
-                f"not run on {name}: a cold torch.compile of its forward and backward took "
-                "12 min per budget on this loaded 2-core CPU (inductor's lowering, C++ codegen "
-                "and g++), so this model runs budgets "
-                f"{', '.join(f'{x:g}' for x in _compile_budgets(name))} only"
-            ),
-        }
-        for b in DEFAULT_COMPILE_BUDGETS
-        if b not in _compile_budgets(name)
-    ]
 
 
 def _compile_phase_seconds() -> dict[str, float]:
@@ -574,9 +539,10 @@ def _model_options(name: str, quick: bool) -> dict[str, Any]:
         return {}
     return {
         "resnet50": {"batch_size": 16, "image_size": 224},
-        # DenseNet-121 as a chain (remat.bench.models); 96² keeps a run within the hour here
-        # while activations are 60 % of the eager peak (at 64²: 37 %)
-        "densenet121": {"batch_size": 8, "image_size": 96},
+        # DenseNet-121 as a chain (remat.bench.models), two dense layers per stage (34 stages:
+        # with one per layer, 63 stages, optimal-time's search did not finish in 10 min); 96²
+        # keeps a run near the hour here while activations are 60 % of the eager peak
+        "densenet121": {"batch_size": 8, "image_size": 96, "group": 2},
         "gpt2": {"batch_size": 4, "seq_len": 512},
         "llama-tiny": {"batch_size": 4, "seq_len": 512},
         # Rockmate's models, smaller than its paper's (GPU) so that a run ends in <= 15 min on
