@@ -321,14 +321,19 @@ def _largest_fitting_plan(
     from remat.planners import BudgetTooSmallError
 
     pool: list[Plan] = []
+    least_seen: list[int] = []  # whole-step peaks of every plan tried (for the error)
+
+    def step_peak(candidate: Plan) -> int:
+        peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
+        least_seen.append(peak)
+        return peak
 
     def fits(activation_budget: int) -> Plan | None:
         try:
             candidate = make_plan(chain, method, activation_budget)
         except BudgetTooSmallError:
             return None
-        predicted = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
-        ok = predicted <= total
+        ok = step_peak(candidate) <= total
         if ok:
             pool.append(candidate)
         return candidate if ok else None
@@ -350,18 +355,21 @@ def _largest_fitting_plan(
             hi = mid
     if method == "optimal-time":
         for candidate in _optimal_time_candidates(chain):
-            peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
-            if peak <= total:
+            if step_peak(candidate) <= total:
                 pool.append(candidate)
         if pool:
             timed = [(simulate(chain, p).total_time, p) for p in pool]
             best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
-        floor = make_plan(chain, method, None) if method != "optimal-time" else None
-        from remat.planners.optimal_time import min_feasible_peak
+        # the least whole-step peak of any plan tried: the planner's least-memory plan, and
+        # for optimal-time its grid and the other planners' plans (a plan exists at it)
+        if method == "optimal-time":
+            from remat.planners.optimal_time import min_feasible_peak
 
-        least = min_feasible_peak(chain) if floor is None else floor.predicted_peak_bytes or 0
-        need = persistent + sum(grad_bytes) + least
+            step_peak(make_plan(chain, method, min_feasible_peak(chain)))
+        else:
+            step_peak(make_plan(chain, method, None))
+        need = min(least_seen)
         raise BudgetTooSmallError(
             total,
             need,
