@@ -321,19 +321,14 @@ def _largest_fitting_plan(
     from remat.planners import BudgetTooSmallError
 
     pool: list[Plan] = []
-    least_seen: list[int] = []  # whole-step peaks of every plan tried (for the error)
-
-    def step_peak(candidate: Plan) -> int:
-        peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
-        least_seen.append(peak)
-        return peak
 
     def fits(activation_budget: int) -> Plan | None:
         try:
             candidate = make_plan(chain, method, activation_budget)
         except BudgetTooSmallError:
             return None
-        ok = step_peak(candidate) <= total
+        predicted = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
+        ok = predicted <= total
         if ok:
             pool.append(candidate)
         return candidate if ok else None
@@ -355,21 +350,18 @@ def _largest_fitting_plan(
             hi = mid
     if method == "optimal-time":
         for candidate in _optimal_time_candidates(chain):
-            if step_peak(candidate) <= total:
+            peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
+            if peak <= total:
                 pool.append(candidate)
         if pool:
             timed = [(simulate(chain, p).total_time, p) for p in pool]
             best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
-        # the least whole-step peak of any plan tried: the planner's least-memory plan, and
-        # for optimal-time its grid and the other planners' plans (a plan exists at it)
-        if method == "optimal-time":
-            from remat.planners.optimal_time import min_feasible_peak
+        floor = make_plan(chain, method, None) if method != "optimal-time" else None
+        from remat.planners.optimal_time import min_feasible_peak
 
-            step_peak(make_plan(chain, method, min_feasible_peak(chain)))
-        else:
-            step_peak(make_plan(chain, method, None))
-        need = min(least_seen)
+        least = min_feasible_peak(chain) if floor is None else floor.predicted_peak_bytes or 0
+        need = persistent + sum(grad_bytes) + least
         raise BudgetTooSmallError(
             total,
             need,
