@@ -75,6 +75,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
+from remat.measure import AllocatorWindow, scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
@@ -358,7 +359,7 @@ def measure_stage(
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack), fwd_counter, fwd_alloc:
             out = run(x)
         fwd_tracked = tracker.window_peak - base
-        fwd_peak = fwd_tracked + _scratch(_peak(fwd_alloc), fwd_tracked)
+        fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
         out_tensors = _tensors(out)
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
@@ -375,7 +376,7 @@ def measure_stage(
             if seed is not None:
                 seed.backward()
         # scratch memory only the allocator saw (it counts parameter gradients too)
-        scratch = _scratch(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
+        scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
@@ -448,8 +449,6 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
     no-op contexts (fake tensors allocate nothing)."""
     if fake:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    from remat.measure import AllocatorWindow
-
     if torch.autograd.profiler._is_profiler_enabled and (device is None or device.type == "cpu"):
         warnings.warn(
             "remat.capture runs inside a torch.profiler session: it cannot count the scratch "
@@ -459,18 +458,6 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
         )
 
     return AllocatorWindow(device), AllocatorWindow(device)
-
-
-SCRATCH_MIN_BYTES = 1024
-"""Allocator-only bytes below this are ignored: the wrapped scalars that C++ kernels make for a
-Python number (``x.mean()`` divides by an 8-byte double and its 4-byte float copy). Keeps real
-and fake captures byte-identical where no kernel allocates real scratch memory."""
-
-
-def _scratch(allocator_peak: int, tracked_peak: int) -> int:
-    """What the allocator saw above the tracker's peak (kernel scratch), 0 below the threshold."""
-    extra = allocator_peak - tracked_peak
-    return extra if extra >= SCRATCH_MIN_BYTES else 0
 
 
 def _peak(window: Any) -> int:

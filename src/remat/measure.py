@@ -28,6 +28,8 @@ import torch
 
 __all__ = [
     "AllocatorWindow",
+    "SCRATCH_MIN_BYTES",
+    "scratch_bytes",
     "unique_storage_bytes",
     "step_peak_bytes",
     "cuda_step_peak_bytes",
@@ -145,6 +147,20 @@ class AllocatorWindow:
             if exc[0] is None:
                 self.peak_bytes = _running_peak(self._profiler)
             self._profiler = None
+
+
+SCRATCH_MIN_BYTES = 1024
+"""Allocator-only bytes below this are not kernel scratch: they are the wrapped scalars that C++
+kernels make for a Python number (``x.mean()`` divides by an 8-byte double and its 4-byte float
+copy). Ignoring them keeps real and fake captures byte-identical where no kernel allocates
+real scratch memory."""
+
+
+def scratch_bytes(allocator_peak: int, tracked_peak: int) -> int:
+    """What the allocator saw above a tensor tracker's peak over the same window (kernel scratch
+    memory), 0 below :data:`SCRATCH_MIN_BYTES`."""
+    extra = allocator_peak - tracked_peak
+    return extra if extra >= SCRATCH_MIN_BYTES else 0
 
 
 def _running_peak(prof: Any) -> int:

@@ -187,12 +187,7 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
         budgets = [] if quick else [1.0, 0.5, 0.1]
         for b in budgets:
             progress(f"{name}: torch-compile@{b}")
-            torch._dynamo.reset()
-            try:
-                setup = compile_setup(work, b)
-            except Exception as err:  # pragma: no cover - reported
-                setup = Setup(f"torch-compile@{b:g}", None, error=f"{type(err).__name__}: {err}")
-            row = measure_setup(setup, work, eager_grads)
+            row = _compiled_row(work, b, eager_grads)
             row["compile_phase_seconds"] = _compile_phase_seconds()
             progress(
                 f"{name}: torch-compile@{b} first step {row.get('first_step_seconds', 0):.0f} s"
@@ -228,6 +223,17 @@ def suite_peers(models: list[str], quick: bool, progress: Callable[[str], None])
                 measured.append(_rockmate_row(name, fraction, measured))
         rows.extend(_finish_rows(measured))
     return rows
+
+
+def _compiled_row(work: Workload, budget: float, eager_grads: Any) -> dict[str, Any]:
+    """torch.compile at ``activation_memory_budget=budget``, compiled afresh and measured; a
+    compilation error becomes the row's ``error``."""
+    torch._dynamo.reset()
+    try:
+        setup = compile_setup(work, budget)
+    except Exception as err:  # pragma: no cover - reported
+        setup = Setup(f"torch-compile@{budget:g}", None, error=f"{type(err).__name__}: {err}")
+    return measure_setup(setup, work, eager_grads)
 
 
 def _compile_phase_seconds() -> dict[str, float]:
@@ -330,12 +336,7 @@ def suite_budget(models: list[str], quick: bool, progress: Callable[[str], None]
         compile_rows = []
         for knob in () if quick else (1.0, 0.8, 0.6, 0.4, 0.2, 0.0):
             progress(f"{name}: torch-compile@{knob}")
-            torch._dynamo.reset()
-            try:
-                setup = compile_setup(work, knob)
-            except Exception as err:  # pragma: no cover - reported
-                setup = Setup(f"torch-compile@{knob:g}", None, error=f"{type(err).__name__}: {err}")
-            row = measure_setup(setup, work, eager_grads)
+            row = _compiled_row(work, knob, eager_grads)
             row["budget_fraction"] = knob
             compile_rows.append(row)
         torch._dynamo.reset()

@@ -86,8 +86,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.capture import SCRATCH_MIN_BYTES
 from remat.graphs.graph import Graph, Node
+from remat.measure import scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
@@ -1057,8 +1057,7 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
         """What only the allocator saw inside one call / autograd function (kernel scratch)."""
         if allocator is None:
             return 0
-        extra = allocator.rise(span) - memory.rise_with_grads(first, last)
-        return extra if extra >= SCRATCH_MIN_BYTES else 0
+        return scratch_bytes(allocator.rise(span), memory.rise_with_grads(first, last))
 
     n = len(nodes)
     fwd_peak = [0] * n
