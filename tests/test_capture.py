@@ -45,8 +45,16 @@ def test_costs_are_stable_across_runs():
     entry = zoo.get("resnet18", image_size=32, batch_size=4)
     a = capture_chain(entry.model, entry.batch, entry.loss_fn, repeats=3)
     b = capture_chain(entry.model, entry.batch, entry.loss_fn, repeats=3)
-    for field in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
+    for field in ("out_bytes", "saved_bytes"):
         assert getattr(a, field) == getattr(b, field), field
+    # The overheads include oneDNN's scratch memory, seen by the allocator. Whether a stage's
+    # convolution reorders its weight into a fresh buffer depends on oneDNN's caches, which
+    # earlier work in the same process leaves behind (seen under pytest-xdist: 146,944 B on one
+    # layer1 block, a 64x64x3x3 weight). So the overheads agree up to one such weight.
+    weight = max(p.numel() * p.element_size() for p in entry.model.layer1.parameters())
+    for field in ("fwd_overhead_bytes", "bwd_overhead_bytes"):
+        for x, y in zip(getattr(a, field), getattr(b, field), strict=True):
+            assert abs(x - y) <= weight, (field, x, y)
     assert a.input_bytes == b.input_bytes
     # times: medians of 3 on a shared 2-core machine (±30 % between runs, shared/peers.md);
     # the totals of forward + backward agree within a factor of 3
