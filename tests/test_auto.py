@@ -331,3 +331,48 @@ def test_at_a_baseline_plans_whole_step_peak_optimal_time_is_no_slower() -> None
         assert total_peak_bytes(chain, chosen, persistent, grads, rises) <= budget
         chosen_time = remat.simulate(chain, chosen).total_time
         assert chosen_time <= remat.simulate(chain, base).total_time * (1 + 1e-9), base.describe()
+
+
+def _wide_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 64)
+    )
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_predicted_step_peak_counts_the_optimizer_step(foreach: bool) -> None:
+    # Wide layers, a small batch: the step's peak is Adam's step, whose temporaries (sqrt and
+    # division: twice the largest parameter with the for-loop implementation, every parameter
+    # once with foreach) sit on top of parameters, gradients and state.
+    model = _wide_mlp()
+    x = torch.randn(4, 256)
+    opt = torch.optim.Adam(model.parameters(), foreach=foreach)
+    captured = capture(model, x)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measured = step_peak_bytes(step, model, opt, x)
+    plan = remat.Plan.none(captured.chain)
+    predicted = predicted_step_peak_bytes(model, captured, plan, opt)
+    assert abs(measured - predicted) <= 0.001 * measured, (measured, predicted)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    temporaries = predicted - (4 * params + x.numel() * x.element_size())
+    assert temporaries == pytest.approx(params if foreach else 2 * largest, rel=0.01)
+
+
+def test_auto_budget_below_the_optimizer_step_names_it() -> None:
+    model = _wide_mlp()
+    x = torch.randn(4, 256)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    fixed = fixed_bytes(model, opt)  # parameters, gradients, two Adam copies
+    with pytest.raises(BudgetTooSmallError, match="optimizer step alone") as info:
+        auto(model, x, budget=fixed + x.numel() * 4 + 1000, optimizer=opt)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert info.value.minimum_bytes >= fixed + params  # foreach: one temporary per parameter
+    _, summary = auto(model, x, budget=info.value.minimum_bytes, optimizer=opt)
+    assert summary.predicted_peak_bytes <= info.value.minimum_bytes

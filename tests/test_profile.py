@@ -261,3 +261,31 @@ def test_fake_profile_with_adam_state_already_made():
     fake = profile(entry.model, entry.batch, entry.loss_fn, opt, fake=True)
     assert real.peak_bytes == fake.peak_bytes
     assert real.categories == fake.categories
+
+
+def test_optimizer_costs_take_the_real_optimizers_implementation(monkeypatch):
+    # Fake tensors are not plain tensors, so a fake optimizer left at foreach=None would
+    # always loop; optimizer_costs fixes the choice the real one makes (foreach on CUDA).
+    import torch.optim.optimizer as torch_optimizer
+
+    from remat.profile import optimizer_costs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+
+    def costs(**options):
+        return optimizer_costs(model, torch.optim.Adam(model.parameters(), **options))
+
+    assert costs() == costs(foreach=False)
+    steps = 4 * len(list(model.parameters()))  # a float32 step counter per parameter
+    state, transient = costs()
+    assert state == 2 * params + steps  # exp_avg, exp_avg_sq
+    assert transient == 2 * largest  # CPU: the for-loop implementation
+    assert costs(foreach=True) == (state, params)
+    monkeypatch.setattr(
+        torch_optimizer, "_default_to_fused_or_foreach", lambda *a, **k: (False, True)
+    )
+    assert costs() == (state, params)  # what a CUDA optimizer would choose
+    assert all(p.grad is None for p in model.parameters())

@@ -198,6 +198,7 @@ def plan_for_total_budget(
     method: str = "optimal-time",
     grad_bytes: Sequence[int] | None = None,
     grad_rise_bytes: Sequence[int] | None = None,
+    optimizer_step_bytes: int = 0,
 ) -> Plan:
     """Plan ``chain`` so that the whole training step's peak fits ``budget``.
 
@@ -209,7 +210,9 @@ def plan_for_total_budget(
     appear as the backward reaches their stage) and the largest activation budget whose plan
     fits is used — a lower, still honest, reading of the same budget. ``grad_rise_bytes``
     (:attr:`remat.capture.Captured.grad_rise_bytes`) makes that evaluation exact during each
-    stage's backward.
+    stage's backward. ``optimizer_step_bytes`` (the temporaries of one optimizer step,
+    :func:`remat.profile.optimizer_costs`) with ``fixed`` and the batch is the step's last
+    phase, which no plan changes: a budget below it raises at once.
 
     With ``budget=None``: the plan with the least activation peak whose predicted time is at
     most the unplanned time plus one extra forward.
@@ -220,6 +223,17 @@ def plan_for_total_budget(
     if budget is None:
         return _least_memory_within_one_forward(chain, method)
     total = parse_bytes(budget)
+    optimizer_phase = fixed + chain.input_bytes + optimizer_step_bytes
+    if optimizer_step_bytes and optimizer_phase > total:
+        raise BudgetTooSmallError(
+            total,
+            max(optimizer_phase, fixed + simulate(chain, make_plan(chain, method)).peak_bytes),
+            method,
+            f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
+            f"gradients, buffers, state, the batch and {format_bytes(optimizer_step_bytes)} of "
+            "its own temporaries); shrink them with the levers (precision, sparsity) or use "
+            "an optimizer with foreach=False",
+        )
     activation_budget = total - fixed
     if grad_bytes is not None:
         persistent = fixed - sum(grad_bytes)
@@ -249,6 +263,7 @@ def total_peak_bytes(
     grad_bytes: Sequence[int],
     grad_rise_bytes: Sequence[int] | None = None,
     segment_state_bytes: int | None = None,
+    optimizer_step_bytes: int = 0,
 ) -> int:
     """The whole step's predicted peak: ``persistent`` bytes (parameters, buffers, optimizer
     state) + the parameter gradients made so far + the plan's live activation bytes, maximised
@@ -257,7 +272,9 @@ def total_peak_bytes(
     replay dropout; counted for every segment at once, an upper bound of a few KiB each). A stage's gradients count from its first backward on: during
     that backward they add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`:
     a weight gradient is often made after the backward's activation peak), after it all of
-    ``grad_bytes[i]``; without ``grad_rise_bytes``, all of it during the backward too."""
+    ``grad_bytes[i]``; without ``grad_rise_bytes``, all of it during the backward too. The
+    step ends with the optimizer step: every gradient, the batch and ``optimizer_step_bytes``
+    of its temporaries (:func:`remat.profile.optimizer_costs`)."""
     if segment_state_bytes is None:
         segment_state_bytes = checkpoint_state_bytes()
     segments = sum(1 for seg in plan.for_chain(chain).walk() if seg.checkpoint)
@@ -274,7 +291,7 @@ def total_peak_bytes(
             peak = max(peak, persistent + grads + event.live_bytes)
             continue
         peak = max(peak, persistent + grads + event.peak_bytes)
-    return max(peak, persistent + sum(grad_bytes) + chain.input_bytes)
+    return max(peak, persistent + sum(grad_bytes) + chain.input_bytes + optimizer_step_bytes)
 
 
 def checkpoint_state_bytes() -> int:
@@ -291,11 +308,22 @@ def predicted_step_peak_bytes(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> int:
     """The whole training step's predicted peak for ``plan`` on a model captured by
-    :func:`remat.capture.capture` (:func:`total_peak_bytes` with the model's fixed bytes);
-    compare it with :func:`remat.measure.step_peak_bytes` of the planned step."""
+    :func:`remat.capture.capture` (:func:`total_peak_bytes` with the model's fixed bytes and,
+    with an optimizer, its step's temporaries); compare it with
+    :func:`remat.measure.step_peak_bytes` of the planned step."""
+    from remat.profile import optimizer_costs
+
     grads = stage_grad_bytes(captured.stages)
     persistent = fixed_bytes(model, optimizer) - sum(grads)
-    return total_peak_bytes(captured.chain, plan, persistent, grads, captured.grad_rise_bytes)
+    _, step_bytes = optimizer_costs(model, optimizer)
+    return total_peak_bytes(
+        captured.chain,
+        plan,
+        persistent,
+        grads,
+        captured.grad_rise_bytes,
+        optimizer_step_bytes=step_bytes,
+    )
 
 
 def _largest_fitting_plan(
@@ -463,6 +491,7 @@ def _auto_graph(
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
     from remat.planners import BudgetTooSmallError
+    from remat.profile import optimizer_costs
 
     warnings.warn(
         f"remat.auto: the model is not a chain of stages ({why.splitlines()[0]}); planning its "
@@ -472,11 +501,23 @@ def _auto_graph(
     trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")
     graph = trace.graph
     fixed = fixed_bytes(model, optimizer)
+    _, step_bytes = optimizer_costs(model, optimizer)
     grads = list(trace.param_grad_bytes)
     persistent = fixed - sum(grads)
+    # the optimizer step: every gradient, the batch and the step's temporaries (no plan helps)
+    optimizer_phase = fixed + graph.input_bytes + step_bytes if optimizer is not None else 0
+    if budget is not None and step_bytes and optimizer_phase > parse_bytes(budget):
+        raise BudgetTooSmallError(
+            parse_bytes(budget),
+            optimizer_phase,
+            "checkmate-milp",
+            f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
+            f"gradients, buffers, state, the batch and {format_bytes(step_bytes)} of its own "
+            "temporaries)",
+        )
 
     def step_peak(plan: GraphPlan) -> int:
-        return simulate_step_peak(graph, plan, persistent, grads)
+        return max(simulate_step_peak(graph, plan, persistent, grads), optimizer_phase)
 
     none = simulate_graph(graph, GraphPlan.none())
     if budget is None:
@@ -536,6 +577,7 @@ def auto(
     """
     from remat.capture import capture
     from remat.distributed import check_not_wrapped
+    from remat.profile import optimizer_costs
     from remat.runtime import apply
 
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
@@ -547,13 +589,16 @@ def auto(
         return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err))
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
+    _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
     rises = captured.grad_rise_bytes
-    chosen = plan_for_total_budget(chain, fixed, budget, method, grads, rises)
+    chosen = plan_for_total_budget(chain, fixed, budget, method, grads, rises, step_bytes)
 
     def replan(new_batch: Any) -> Plan:
         new = capture(model, new_batch, loss_fn=loss_fn, stages=stages)
-        return plan_for_total_budget(new.chain, fixed, budget, method, grads, new.grad_rise_bytes)
+        return plan_for_total_budget(
+            new.chain, fixed, budget, method, grads, new.grad_rise_bytes, step_bytes
+        )
 
     planned = apply(model, chosen, stages=captured.stages, replan=replan)
     none = simulate(chain, Plan.none(chain))
@@ -567,7 +612,9 @@ def auto(
         fixed,
         sim,
         none,
-        total_peak_bytes(chain, chosen, persistent, grads, rises),
-        total_peak_bytes(chain, Plan.none(chain), persistent, grads, rises),
+        total_peak_bytes(chain, chosen, persistent, grads, rises, optimizer_step_bytes=step_bytes),
+        total_peak_bytes(
+            chain, Plan.none(chain), persistent, grads, rises, optimizer_step_bytes=step_bytes
+        ),
     )
     return planned, summary

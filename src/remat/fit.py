@@ -34,7 +34,9 @@ How a combination is predicted (NOTE [ What fit predicts ]):
   peak. With one microbatch and an optimizer the gradients appear as the backward reaches
   them (:func:`remat.auto.total_peak_bytes`); from the second microbatch on (and in a step
   without an optimizer, where gradients persist) all of them are live. The optimizer step's own
-  transients (Adam's ``sqrt``/division temporaries, measured on fake tensors) bound it too;
+  transients (Adam's ``sqrt``/division temporaries, measured on fake tensors with the
+  ``foreach`` choice the real optimizer makes, :func:`remat.profile.optimizer_costs`) bound it
+  too;
 * predicted time = simulated plan time (forward, recomputation, backward) times k.
 
 The chosen setup is then **measured** (``measure=True``): one whole :meth:`FitSetup.step` under
@@ -60,8 +62,6 @@ Known limitations:
       gradients then differ from the full batch's (NOTE [ Batch norm under microbatching ]).
     * A loss averaged over something other than examples (tokens with ``-100`` labels) needs
       ``count=`` for exact microbatch gradients.
-    * The optimizer's transient bytes are measured with its for-loop implementation (fake
-      tensors do not take the ``foreach`` path): on CUDA the measurement closes the gap.
     * Every search candidate costs one capture: real for fp32, fake for 16-bit; the time of a
       16-bit stage is scaled from fp32 by one factor.
 """
@@ -402,7 +402,9 @@ class FitSetup:
         state.seen_optimizers.add(id(optimizer))
         if state.masks is not None:
             state.masks.attach(optimizer, mask_gradients=False)
-        needed, _ = _optimizer_costs(state.base_model, optimizer)
+        from remat.profile import optimizer_costs
+
+        needed, _ = optimizer_costs(state.base_model, optimizer)
         if needed > state.planned_state_bytes:
             warnings.warn(
                 f"remat.fit planned for {format_bytes(state.planned_state_bytes)} of optimizer "
@@ -626,7 +628,9 @@ class _Search:
         self.batch_bytes = _storage_bytes(_tensors(batch))
         self.stages = split_stages(model, stages)
         self.grad_bytes = stage_grad_bytes(self.stages)
-        self.optimizer_state_bytes, self.optimizer_step_bytes = _optimizer_costs(model, optimizer)
+        from remat.profile import optimizer_costs
+
+        self.optimizer_state_bytes, self.optimizer_step_bytes = optimizer_costs(model, optimizer)
         self.rng_state_bytes = _rng_state_bytes(self.device_type)
         self.mask_bytes = masks.mask_bytes() if masks is not None else 0
         self.persistent_bytes = (
@@ -972,35 +976,6 @@ def _preserved(
             optimizer.load_state_dict(opt_state)
         if scaler is not None and scaler_state is not None:
             scaler.load_state_dict(scaler_state)
-
-
-def _optimizer_costs(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
-    """``(state bytes, transient bytes of one step)`` of ``optimizer``, measured exactly on fake
-    tensors (nothing allocated): the state as it will be after its first step, and the peak of
-    the temporaries one step allocates (Adam's ``sqrt`` and division, for example)."""
-    from remat.profile import StepTracker, fake_step
-
-    if optimizer is None:
-        return 0, 0
-    with fake_step(model, None, optimizer) as (mode, _, fake_opt), mode:
-        assert fake_opt is not None
-        params = [p for g in fake_opt.param_groups for p in g["params"] if p.requires_grad]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        if not fake_opt.state:
-            fake_opt.step()
-        state = [v for s in fake_opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        state_bytes = sum(t.untyped_storage().nbytes() for t in state)
-        tracker = StepTracker(timeline=False)
-        tracker.track_external(model, fake_opt)
-        with tracker:
-            tracker.start()
-            before = tracker.live_bytes()
-            fake_opt.step()
-            transient = max(0, tracker.peak_bytes - before)
-        for p in params:
-            p.grad = None
-    return state_bytes, transient
 
 
 def _rng_state_bytes(device_type: str) -> int:

@@ -81,6 +81,7 @@ __all__ = [
     "loss_from_output",
     "StepTracker",
     "fake_step",
+    "optimizer_costs",
     "MEMORY_REPORT_SCHEMA_VERSION",
 ]
 
@@ -616,6 +617,7 @@ def _fake_optimizer(
     groups = [
         {
             **{k: v for k, v in g.items() if k != "params"},
+            **_implementation(optimizer, g),
             "params": [fake_of(p) for p in g["params"]],
         }
         for g in optimizer.param_groups
@@ -643,3 +645,54 @@ def _fake_optimizer(
             for k, v in state.items()
         }
     return new
+
+
+def _implementation(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """The ``foreach`` choice the real optimizer makes for ``group``, made explicit.
+
+    An optimizer left at ``foreach=None`` picks its implementation from its parameters' type and
+    device: the ``foreach`` one (temporaries for every parameter at once) for plain CUDA
+    tensors, the for-loop one (one parameter's temporaries at a time) otherwise. Fake tensors
+    are not plain tensors, so a fake optimizer would always loop; fixing the real choice in
+    its groups makes the fake step allocate what the real one does."""
+    if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+        return {}
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # pragma: no cover - private API moved: keep the optimizer's default
+        return {}
+    params = [p for p in group["params"] if p.requires_grad]
+    _, foreach = _default_to_fused_or_foreach(
+        params, differentiable=bool(group.get("differentiable")), use_fused=False
+    )
+    return {"foreach": bool(foreach)}
+
+
+def optimizer_costs(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """``(state bytes, transient bytes of one step)`` of ``optimizer``, measured exactly on
+    fake tensors (nothing is allocated, the optimizer and model are untouched): the state as
+    it is after a first step, and the peak of the temporaries one steady-state step allocates
+    beyond the parameters, their gradients and that state (Adam's ``sqrt`` and division: the
+    largest parameter's worth twice with the for-loop implementation, every parameter's worth
+    with ``foreach``, which CUDA optimizers use by default)."""
+    if optimizer is None:
+        return 0, 0
+    with fake_step(model, None, optimizer) as (mode, _, fake_opt), mode:
+        assert fake_opt is not None
+        params = [p for g in fake_opt.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if not fake_opt.state:
+            fake_opt.step()
+        state = [v for s in fake_opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+        tracker = StepTracker(timeline=False)
+        tracker.track_external(model, fake_opt)
+        with tracker:
+            tracker.start()
+            before = tracker.live_bytes()
+            fake_opt.step()
+            transient = max(0, tracker.peak_bytes - before)
+        for p in params:
+            p.grad = None
+    return state_bytes, transient

@@ -53,6 +53,8 @@ class Workload:
     """Parameter-gradient bytes per stage (:func:`remat.auto.stage_grad_bytes`)."""
     grad_rise_bytes: tuple[int, ...] = ()
     """How much each stage's gradients raise its backward's peak (capture's measurement)."""
+    optimizer_step_bytes: int = 0
+    """Temporaries of one ``Adam.step()`` (:func:`remat.profile.optimizer_costs`)."""
 
 
 @dataclass
@@ -187,6 +189,7 @@ def remat_setup(
                 method,
                 work.grad_bytes or None,
                 work.grad_rise_bytes,
+                work.optimizer_step_bytes,
             )
     except BudgetTooSmallError as err:
         return Setup(name, None, family="remat", error=str(err))
@@ -199,7 +202,12 @@ def remat_setup(
         module,
         family="remat",
         predicted_peak_bytes=total_peak_bytes(
-            work.chain, p, persistent, work.grad_bytes, work.grad_rise_bytes
+            work.chain,
+            p,
+            persistent,
+            work.grad_bytes,
+            work.grad_rise_bytes,
+            optimizer_step_bytes=work.optimizer_step_bytes,
         ),
         notes={
             "plan": p.describe(),

@@ -75,6 +75,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
     from remat import zoo
     from remat.auto import fixed_bytes, stage_grad_bytes
     from remat.capture import capture
+    from remat.profile import optimizer_costs
 
     torch.manual_seed(0)
     entry = zoo.get(zoo_name(name), batch_size=batch_size, **options)
@@ -83,6 +84,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
     work.chain, work.stages = captured.chain, captured.stages
     opt = torch.optim.Adam(entry.model.parameters())
     work.fixed_bytes = fixed_bytes(entry.model, opt)
+    work.optimizer_step_bytes = optimizer_costs(entry.model, opt)[1]
     work.grad_bytes = stage_grad_bytes(captured.stages)
     work.grad_rise_bytes = captured.grad_rise_bytes
     return work
