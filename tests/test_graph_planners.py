@@ -26,7 +26,7 @@ from remat.graphs.articulation import (
     chain_plan_to_graph,
     cut_points,
 )
-from remat.graphs.milp import MilpConfig
+from remat.graphs.milp import MilpConfig, backward_floor
 from remat.graphs.reforward import DivisionTree, FengGraph, feng_cost
 from remat.graphs.synthetic import dense_block, inception_block, random_dag, residual_chain
 from remat.planners import BudgetTooSmallError, available
@@ -208,6 +208,21 @@ def test_checkmate_milp_matches_brute_force(name: str, graph: Graph) -> None:
             assert plan.predicted_peak_bytes is not None
             assert plan.predicted_peak_bytes <= plan.params["milp_peak_bytes"] <= budget
             assert plan.params["status"] == "optimal" and plan.is_contiguous()
+
+
+@pytest.mark.parametrize("name,graph", MILP_GRAPHS, ids=[n for n, _ in MILP_GRAPHS])
+def test_backward_floor_bounds_every_plan(name: str, graph: Graph) -> None:
+    # no plan goes below it: every flat run plan, and every set of segments (one node each or
+    # any subset of nodes as one segment) on the small graphs
+    floor, node = backward_floor(graph)
+    peaks = [p for p, _ in brute_force_runs(graph)]
+    if graph.n <= 7:
+        for k in range(1, graph.n + 1):
+            for subset in itertools.combinations(range(graph.n), k):
+                plan = GraphPlan.from_segments([list(subset)])
+                peaks.append(simulate_graph(graph, plan).peak_bytes)
+    assert floor <= min(peaks), (floor, min(peaks), node)
+    assert node is None or 0 <= node < graph.n
 
 
 @given(st.integers(2, 8), st.integers(0, 10_000), st.sampled_from([1.0, 0.7, 0.5, 0.35]))

@@ -94,6 +94,7 @@ __all__ = [
     "RunModel",
     "StageModel",
     "PlannerTimeoutError",
+    "backward_floor",
 ]
 
 
@@ -751,19 +752,36 @@ def _model(graph: Graph, encoding: str, cap_bytes: int | None = None) -> _Model:
     return RunModel(graph, cap_bytes) if encoding == "runs" else StageModel(graph)
 
 
-def _lower_bound(graph: Graph) -> int:
-    """Bytes every plan needs: the loss, and each backward with its own saved tensors."""
+def backward_floor(graph: Graph) -> tuple[int, int | None]:
+    """``(bytes, node)``: a peak no plan of this graph goes below (any segments, nested or not,
+    any recomputation order: the graph's nodes are the granularity), and the node whose
+    backward sets it (``None``: the loss). Each backward ``v`` needs, at once, the graph input,
+    the gradients already made for outputs still read by later nodes, the input gradients it
+    makes, its own saved tensors, the forward values of the inputs it saved, and its backward
+    transients. For AlexNet and VGG this is the first convolution + in-place ReLU at full
+    resolution (ReLU's output, the gradient in and the gradient out, VGG-13/16 also the
+    convolution's input), which is why no plan reaches the Re-forwarding paper's ratios there
+    (docs/results/reforward). Used by ``checkmate-milp`` to reject a budget below it at once."""
     n, nodes = graph.n, graph.nodes
     sinks = set(graph.sinks)
     maxcons = [max(graph.consumers(u), default=-1) for u in range(n)]
-    loss = graph.input_bytes + sum(2 * nodes[o].out_bytes for o in sinks)
-    best = loss
+    best: tuple[int, int | None] = (
+        graph.input_bytes + sum(2 * nodes[o].out_bytes for o in sinks),
+        None,
+    )
     for v in range(n):
         grads = sum(nodes[u].out_bytes for u in range(v + 1) if u in sinks or maxcons[u] > v)
         new = sum(nodes[u].out_bytes for u in nodes[v].inputs if maxcons[u] == v)
         own = nodes[v].saved_bytes if nodes[v].keeps_output else nodes[v].residual_bytes
-        best = max(best, graph.input_bytes + grads + new + own + nodes[v].bwd_overhead_bytes)
+        read = sum(nodes[u].out_bytes for u in nodes[v].backward_inputs)
+        total = graph.input_bytes + grads + new + own + read + nodes[v].bwd_overhead_bytes
+        best = max(best, (total, v), key=lambda bn: bn[0])
     return best
+
+
+def _lower_bound(graph: Graph) -> int:
+    """Bytes every plan needs (:func:`backward_floor`)."""
+    return backward_floor(graph)[0]
 
 
 def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
