@@ -88,3 +88,36 @@ def test_suite_rejects_models_outside_the_table() -> None:
     with pytest.raises(ValueError, match="not in the paper's table"):
         rf.suite(["gpt2"], quick=True, progress=print)
     assert rf.DEFAULT_MODELS == list(rf.PAPER) and len(rf.DEFAULT_MODELS) == 15
+
+
+def test_merge_replaces_the_rerun_models_and_says_so(tmp_path: Path) -> None:
+    import json
+
+    machine = {"date": "2026-01-01 10:00", "device": "cpu", "cpus": 2, "threads": 1}
+    machine["torch"] = "x"
+    base, rerun = tmp_path / "base", tmp_path / "rerun"
+    base.mkdir()
+    rerun.mkdir()
+    old = rows_for("resnet50", residual_chain(2), 0.37) + rows_for(
+        "densenet121", dense_block(3), 0.5
+    )
+    result = {"suite": "reforward", "quick": False, "machine": machine, "seconds": 120.0}
+    (base / "reforward.json").write_text(json.dumps(old))
+    rf.write_report(base, {**result, "rows": old})
+    new = rows_for("densenet121", dense_block(3), 0.01)  # the rerun planned differently
+    (rerun / "reforward.json").write_text(json.dumps(new))
+    later = {**machine, "date": "2026-01-02 11:00"}
+    rf.write_report(rerun, {**result, "machine": later, "seconds": 600.0, "rows": new})
+
+    merged = rf.merge(base, [rerun])["rows"]
+    assert [r for r in merged if r["model"] == "resnet50"] == [
+        r for r in old if r["model"] == "resnet50"
+    ]
+    assert [r for r in merged if r["model"] == "densenet121"] == new
+    assert json.loads((base / "reforward.json").read_text()) == merged
+    text = (base / "reforward.md").read_text()
+    assert "Run 2026-01-01 10:00 on cpu" in text and "it took 2 min" in text
+    assert "Rows of densenet121 were rerun 2026-01-02 11:00 (10 min" in text
+    # merging the same rerun again keeps one line for it
+    rf.merge(base, [rerun])
+    assert (base / "reforward.md").read_text().count("were rerun") == 1
