@@ -105,18 +105,23 @@ def test_merge_replaces_the_rerun_models_and_says_so(tmp_path: Path) -> None:
     (base / "reforward.json").write_text(json.dumps(old))
     rf.write_report(base, {**result, "rows": old})
     new = rows_for("densenet121", dense_block(3), 0.01)  # the rerun planned differently
+    speed = {"model": "resnet50", "method": "checkmate-milp", "part": "speed", "level": "module"}
+    speed |= {"batch": 64, "image": 224, "nodes": 9, "plan_seconds": 1.0}
+    speed |= {"target_seconds": 60.0, "target_met": True, "error": "timed out"}
+    new.append(speed)  # a speed row names a model whose table rows were not rerun
     (rerun / "reforward.json").write_text(json.dumps(new))
     later = {**machine, "date": "2026-01-02 11:00"}
     rf.write_report(rerun, {**result, "machine": later, "seconds": 600.0, "rows": new})
 
     merged = rf.merge(base, [rerun])["rows"]
-    assert [r for r in merged if r["model"] == "resnet50"] == [
+    assert [r for r in merged if r["model"] == "resnet50" and r["part"] == "table"] == [
         r for r in old if r["model"] == "resnet50"
     ]
-    assert [r for r in merged if r["model"] == "densenet121"] == new
+    assert [r for r in merged if r["model"] == "densenet121"] == new[:-1]
+    assert speed in merged
     assert json.loads((base / "reforward.json").read_text()) == merged
     text = (base / "reforward.md").read_text()
-    assert "Run 2026-01-01 10:00 on cpu" in text and "it took 2 min" in text
+    assert "Run 2026-01-01 10:00 on cpu (2 CPUs, 1 torch threads), torch x; it took 2 min" in text
     assert "Rows of densenet121 were rerun 2026-01-02 11:00 (10 min" in text
     # merging the same rerun again keeps one line for it
     rf.merge(base, [rerun])

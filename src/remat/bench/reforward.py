@@ -920,13 +920,19 @@ def merge(out: Path, reruns: list[Path]) -> dict[str, Any]:
     import json
     import re
 
-    def header(md: Path) -> tuple[str, float]:
-        found = re.search(r"Run (\S+ \S+) on .*?it took (\d+) min", md.read_text())
+    def header(md: Path) -> tuple[dict[str, Any], float]:
+        found = re.search(
+            r"Run (\S+ \S+) on (\S+) \((\S+) CPUs, (\S+) torch threads\), torch (\S+); "
+            r"it took (\d+) min",
+            md.read_text(),
+        )
         if found is None:
-            raise ValueError(f"{md}: no 'Run DATE on ...; it took N min' header")
-        return found.group(1), float(found.group(2))
+            raise ValueError(f"{md}: no 'Run DATE on DEVICE (...); it took N min' header")
+        date, device, cpus, threads, torch_version, minutes = found.groups()
+        machine = {"date": date, "device": device, "cpus": cpus, "threads": threads}
+        return {**machine, "torch": torch_version}, float(minutes)
 
-    base_date, base_minutes = header(out / "reforward.md")
+    machine, base_minutes = header(out / "reforward.md")
     rows: list[dict] = json.loads((out / "reforward.json").read_text())
     old_reruns: list[dict] = []
     if (out / "reruns.json").exists():
@@ -934,8 +940,13 @@ def merge(out: Path, reruns: list[Path]) -> dict[str, Any]:
     runs = list(old_reruns)
     for folder in reruns:
         new: list[dict] = json.loads((folder / "reforward.json").read_text())
-        date, minutes = header(folder / "reforward.md")
-        models = [m for m in DEFAULT_MODELS if any(r["model"] == m for r in new)]
+        date = header(folder / "reforward.md")[0]["date"]
+        minutes = header(folder / "reforward.md")[1]
+        models = [
+            m
+            for m in DEFAULT_MODELS
+            if any(r["model"] == m and r.get("part") != "speed" for r in new)
+        ]
         has_speed = any(r.get("part") == "speed" for r in new)
         rows = [
             r
@@ -948,9 +959,6 @@ def merge(out: Path, reruns: list[Path]) -> dict[str, Any]:
     order = {m: i for i, m in enumerate(DEFAULT_MODELS)}
     parts = {"table": 0, "measured": 1, "speed": 2}
     rows.sort(key=lambda r: (parts.get(r.get("part", ""), 3), order.get(r["model"], 99)))
-    from remat.bench.suites import machine_info
-
-    machine = {**machine_info(), "date": base_date}
     result = {
         "suite": "reforward",
         "quick": False,
