@@ -791,10 +791,17 @@ def _discussion(by_model: dict[str, dict[str, dict]], measured: list[dict]) -> s
         "row-by-row notes compare absolute numbers there.",
         "* **Granularity.** The table is planned on module-level graphs: one node per leaf "
         "module or functional call, in-place ReLUs merged into the op before them (as the "
-        "paper's PyTorch 0.4 code merges them). The least peak of any plan is bounded by the "
-        "costliest single backward (for AlexNet and VGG the first convolutions at full "
-        "resolution with their input, output and both gradients live); no plan in either "
-        "system goes below it, which is why the `@paper` budgets are infeasible there.",
+        "paper's PyTorch 0.4 code merges them; op level merges them too). The least peak of "
+        "any plan is bounded by the costliest single backward "
+        "(`remat.graphs.milp.backward_floor`): for AlexNet and VGG-11 the first convolution + "
+        "ReLU at full resolution with ReLU's output, the gradient in and the gradient out live "
+        "(plus the 588 MiB input at AlexNet's batch 1024), for VGG-13/16 the second one with "
+        "its input too. On those four rows the MILP's least peak equals that bound, so the "
+        "paper's ratio is out of reach for any checkpointing plan in exact bytes; only a "
+        "different backward (ReLU's gradient written in place, a 1-byte mask instead of its "
+        "float output) would go lower. The paper's ratios there are smaller because of what "
+        "their denominator counts (previous point), which only a CUDA measurement like theirs "
+        "can reproduce.",
         "* **Their objective vs the true peak.** `reforward` is Feng & Huang's algorithm, "
         "optimal for *their* objective: the forward tensors of the checkpoints plus the largest "
         "segment, no gradients, no backward transients; among its candidate max terms remat "
