@@ -211,3 +211,31 @@ def test_never_slower_than_any_registered_planner_at_its_peak(chain: Chain) -> N
         assert plan is not None
         _check_fits(chain, plan, sim.peak_bytes)
         assert simulate(chain, plan).total_time <= sim.total_time + 1e-12
+
+
+def test_search_stays_within_its_node_limit_on_a_densenet_chain(monkeypatch) -> None:
+    # A 63-stage DenseNet-121 chain (remat.bench.models.densenet_chain, 96², batch 8, fake
+    # capture): the first, greedy descent used to backtrack without limit while trying to beat
+    # plans it already knew (1.1 M nodes for one budget; a 16-budget sweep did not end in
+    # minutes). Every search now stays within SEARCH_NODES.
+    from pathlib import Path
+
+    chain = Chain.from_json((Path(__file__).parent / "data/densenet121_chain.json").read_text())
+    assert chain.n == 63
+    floor = min_feasible_peak(chain)
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    budgets = [int(floor * (top / floor) ** (k / 15)) for k in range(16)]
+    nodes: list[int] = []
+    original = optimal_time._Search.plan
+
+    def counted(self, limit):  # type: ignore[no-untyped-def]
+        result = original(self, limit)
+        nodes.append(self.nodes)
+        return result
+
+    monkeypatch.setattr(optimal_time._Search, "plan", counted)
+    plans = sweep(chain, budgets)
+    assert nodes and max(nodes) <= optimal_time.SEARCH_NODES + 1
+    for budget, plan in zip(budgets, plans, strict=True):
+        assert plan is not None
+        _check_fits(chain, plan, budget)

@@ -27,8 +27,9 @@ back-propagated as ``opt(s, j - 1, m)``), each under its own transient-peak cond
 table of ``GRID_CELLS`` cells of ``q`` bytes with every size rounded *down*: a relaxation, so
 each entry is a lower bound on the exact least time. The plan itself is then found by a search
 in exact bytes (every size, every peak condition exact, so every returned plan truly fits):
-first a greedy descent that follows the best lower bound, then branch and bound that proves
-optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the planner returns the
+first a greedy descent that follows the best lower bound (after ``GREEDY_NODES`` nodes it takes
+the plans it already knows instead of trying to beat them, so it always ends), then branch and
+bound that proves optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the planner returns the
 fastest of the best plan found, the exact optimum of the chain with sizes rounded *up* to whole
 cells (it truly fits), and reference plans (every stage, the least-peak plan, flat plans of
 equal segments), with ``plan.params["proven_optimal"] = False`` and a lower bound on the time
@@ -87,6 +88,9 @@ GRID_CELLS = 500
 """Memory cells of the table when exact bytes would cost too much (rotor's default)."""
 SEARCH_NODES = 20_000
 """Nodes the branch and bound may visit per budget before it returns its best plan unproven."""
+GREEDY_NODES = SEARCH_NODES // 4
+"""Nodes after which the first (greedy) descent stops trying to beat plans it already knows
+and takes them, so that it always ends quickly."""
 _TABLE_WORK = 200**3 // 6 * GRID_CELLS
 """Exact byte units are used when ``n^3 / 6 * (budget + 1)`` stays below this (the cost of
 the grid table at n = 200) and the table has at most ``_TABLE_ENTRIES`` entries."""
@@ -672,6 +676,11 @@ class _Search:
         known = self.known.setdefault((s, t), _Known())
         best_node = known.best_plan(m)
         best = np.inf if best_node is None else best_node[1]
+        if greedy and best_node is not None and self.nodes >= GREEDY_NODES:
+            # past its share of nodes the descent only has to reach *a* plan: trying to beat
+            # known ones everywhere made it backtrack without limit (1.1 M nodes, 33 s, for one
+            # budget of a 63-stage DenseNet chain)
+            return best, best_node
         low = max(self.table.lower(s, t, m), known.lower(m))
         if best_node is not None and low >= best - tol:  # proven optimal at m
             return (best, best_node) if best < bound else (best, None)
