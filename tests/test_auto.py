@@ -210,6 +210,36 @@ def test_auto_plans_a_model_that_is_not_a_chain_as_a_graph(budget_fraction) -> N
         torch.testing.assert_close(grad, reference[name.removeprefix("model.")])
 
 
+def test_auto_graph_counts_the_optimizer_step() -> None:
+    # the graph path (a model that is not a chain) with foreach Adam, a tiny batch: the step's
+    # peak is the optimizer's, which no plan changes; below it auto says so, at it the
+    # predicted whole step is what the allocator measures
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(2, 32)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    fixed = fixed_bytes(model, opt)
+    with pytest.warns(UserWarning, match="not a chain"):
+        with pytest.raises(BudgetTooSmallError, match="optimizer step alone") as info:
+            auto(model, x, budget=fixed + 1024, optimizer=opt)
+    assert info.value.minimum_bytes >= fixed + params
+    with pytest.warns(UserWarning, match="not a chain"):
+        planned, summary = auto(model, x, budget=info.value.minimum_bytes, optimizer=opt)
+
+    def step() -> None:
+        planned(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measured = step_peak_bytes(step, planned, opt, x)
+    assert summary.predicted_peak_bytes <= info.value.minimum_bytes
+    assert abs(measured - summary.predicted_peak_bytes) <= 0.01 * measured, (
+        measured,
+        summary.predicted_peak_bytes,
+    )
+
+
 def _branchy_grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     module.zero_grad(set_to_none=True)
     module(x).square().mean().backward()

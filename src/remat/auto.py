@@ -507,9 +507,11 @@ def _auto_graph(
     # the optimizer step: every gradient, the batch and the step's temporaries (no plan helps)
     optimizer_phase = fixed + graph.input_bytes + step_bytes if optimizer is not None else 0
     if budget is not None and step_bytes and optimizer_phase > parse_bytes(budget):
+        # named minimum: feasible with every gradient counted live (reforward's least peak)
+        least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
         raise BudgetTooSmallError(
             parse_bytes(budget),
-            optimizer_phase,
+            max(optimizer_phase, fixed + least),
             "checkmate-milp",
             f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
             f"gradients, buffers, state, the batch and {format_bytes(step_bytes)} of its own "
