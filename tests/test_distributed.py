@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import remat
-from remat import Plan, PlanError, Segment
+from remat import BudgetTooSmallError, Plan, PlanError, Segment
 from remat.distributed import (
     PlanMismatchError,
     WrapOrderError,
@@ -279,6 +279,16 @@ def _ddp_checks(rank: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     budget_check(rank, "ddp")
+    # with DDP every rank steps the whole optimizer: a budget that holds the state but not the
+    # step's own temporaries (foreach Adam: one copy of every parameter) is refused, on every rank
+    model, loss_fn, chunks = gpt2()
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    _, first = remat.distributed.auto_distributed(model, chunks[rank], loss_fn, optimizer=opt)
+    refused = BudgetTooSmallError if rank == 0 else PlanError  # the planning rank's own error
+    with pytest.raises(refused, match="optimizer step alone"):
+        remat.distributed.auto_distributed(
+            model, chunks[rank], loss_fn, budget=first.fixed_bytes + 4096, optimizer=opt
+        )
     # defaults: find_unused_parameters=False, static_graph=False
     ddp = train_and_compare(rank, gpt2, GPT2_PLAN, "ddp")
     train_and_compare(rank, resnet, RESNET_PLAN, "ddp")

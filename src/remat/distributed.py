@@ -463,6 +463,7 @@ def auto_distributed(
     from remat.auto import AutoSummary, plan_for_total_budget
     from remat.capture import capture
     from remat.costs import Chain
+    from remat.profile import optimizer_costs
     from remat.runtime import apply
     from remat.simulate import simulate
     from remat.stages import split_stages
@@ -489,7 +490,12 @@ def auto_distributed(
         try:
             captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
             chain = captured.chain
-            chosen = plan_for_total_budget(chain, fixed_bytes, budget, method)
+            # DDP: every rank steps the whole optimizer, so its temporaries are one step's;
+            # FSDP2's sharded step is not modelled (docs/distributed.md)
+            step_bytes = 0 if fsdp else optimizer_costs(model, optimizer)[1]
+            chosen = plan_for_total_budget(
+                chain, fixed_bytes, budget, method, optimizer_step_bytes=step_bytes
+            )
             payload = [
                 {
                     "plan": chosen.to_json(),
