@@ -227,7 +227,7 @@ def plan_for_total_budget(
     if optimizer_step_bytes and optimizer_phase > total:
         raise BudgetTooSmallError(
             total,
-            max(optimizer_phase, fixed + simulate(chain, make_plan(chain, method)).peak_bytes),
+            max(optimizer_phase, fixed + _least_activation_peak(chain, method)),
             method,
             f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
             f"gradients, buffers, state, the batch and {format_bytes(optimizer_step_bytes)} of "
@@ -385,11 +385,7 @@ def _largest_fitting_plan(
             timed = [(simulate(chain, p).total_time, p) for p in pool]
             best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
-        floor = make_plan(chain, method, None) if method != "optimal-time" else None
-        from remat.planners.optimal_time import min_feasible_peak
-
-        least = min_feasible_peak(chain) if floor is None else floor.predicted_peak_bytes or 0
-        need = persistent + sum(grad_bytes) + least
+        need = persistent + sum(grad_bytes) + _least_activation_peak(chain, method)
         raise BudgetTooSmallError(
             total,
             need,
@@ -402,6 +398,18 @@ def _largest_fitting_plan(
 
 GRID_POINTS = 16
 """Activation budgets of :func:`_optimal_time_candidates`' grid (geometric)."""
+
+
+def _least_activation_peak(chain: Chain, method: str) -> int:
+    """The least activation peak ``method`` reaches (time-independent for optimal-time: the
+    least peak of any nested plan); with every gradient and the fixed bytes added, a whole-step
+    budget that is always feasible."""
+    from remat.api import plan as make_plan
+    from remat.planners.optimal_time import min_feasible_peak
+
+    if method == "optimal-time":
+        return min_feasible_peak(chain)
+    return make_plan(chain, method, None).predicted_peak_bytes or 0
 
 
 def _optimal_time_candidates(chain: Chain) -> list[Plan]:
