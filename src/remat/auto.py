@@ -225,14 +225,12 @@ def plan_for_total_budget(
     total = parse_bytes(budget)
     optimizer_phase = fixed + chain.input_bytes + optimizer_step_bytes
     if optimizer_step_bytes and optimizer_phase > total:
-        raise BudgetTooSmallError(
+        raise _optimizer_step_too_large(
             total,
             max(optimizer_phase, fixed + _least_activation_peak(chain, method)),
             method,
-            f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
-            f"gradients, buffers, state, the batch and {format_bytes(optimizer_step_bytes)} of "
-            "its own temporaries); shrink them with the levers (precision, sparsity) or use "
-            "an optimizer with foreach=False",
+            optimizer_phase,
+            optimizer_step_bytes,
         )
     activation_budget = total - fixed
     if grad_bytes is not None:
@@ -400,6 +398,22 @@ GRID_POINTS = 16
 """Activation budgets of :func:`_optimal_time_candidates`' grid (geometric)."""
 
 
+def _optimizer_step_too_large(
+    budget: int, minimum: int, method: str, phase: int, step_bytes: int
+) -> Exception:
+    """The error for a budget below the optimizer step (``phase`` bytes, no plan changes it)."""
+    from remat.planners import BudgetTooSmallError
+
+    return BudgetTooSmallError(
+        budget,
+        minimum,
+        method,
+        f"the optimizer step alone needs {format_bytes(phase)} (parameters, gradients, buffers, "
+        f"state, the batch and {format_bytes(step_bytes)} of its own temporaries); shrink them "
+        "with the levers (precision, sparsity) or use an optimizer with foreach=False",
+    )
+
+
 def _least_activation_peak(chain: Chain, method: str) -> int:
     """The least activation peak ``method`` reaches (time-independent for optimal-time: the
     least peak of any nested plan); with every gradient and the fixed bytes added, a whole-step
@@ -517,13 +531,12 @@ def _auto_graph(
     if budget is not None and step_bytes and optimizer_phase > parse_bytes(budget):
         # named minimum: feasible with every gradient counted live (reforward's least peak)
         least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
-        raise BudgetTooSmallError(
+        raise _optimizer_step_too_large(
             parse_bytes(budget),
             max(optimizer_phase, fixed + least),
             "checkmate-milp",
-            f"the optimizer step alone needs {format_bytes(optimizer_phase)} (parameters, "
-            f"gradients, buffers, state, the batch and {format_bytes(step_bytes)} of its own "
-            "temporaries)",
+            optimizer_phase,
+            step_bytes,
         )
 
     def step_peak(plan: GraphPlan) -> int:

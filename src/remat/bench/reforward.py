@@ -223,8 +223,7 @@ def plan_all(
                 res = _plan(graph, planner, res["minimum_bytes"], milp_s, **options)
                 res["budget_basis"] = "minimum (paper's memory is below it)"
                 res["paper_budget_error"] = first_error
-            timed_out = res["plan"] is None and "PlannerTimeoutError" in res.get("error", "")
-            if timed_out and retry_s and planner == "checkmate-milp":
+            if _timed_out(res) and retry_s and planner == "checkmate-milp":
                 basis = res["budget_basis"]
                 res = _plan(graph, planner, budget, retry_s, **options)
                 res["budget_basis"] = basis
@@ -232,7 +231,7 @@ def plan_all(
                 limit = retry_s
             else:
                 limit = milp_s
-            if res["plan"] is None and "PlannerTimeoutError" in res.get("error", ""):
+            if _timed_out(res):
                 lp = _plan(graph, "checkmate-lp", budget, milp_s)
                 if lp["plan"] is not None:
                     lp["solver"] = f"LP rounding (MILP found no plan in {limit:.0f} s)"
@@ -240,6 +239,11 @@ def plan_all(
                     res = lp
             out[method + key] = res
     return out
+
+
+def _timed_out(res: dict) -> bool:
+    """The MILP of a :func:`_plan` result found no plan within its time limit."""
+    return res["plan"] is None and "PlannerTimeoutError" in res.get("error", "")
 
 
 def _params(plan: Any) -> dict[str, Any]:
@@ -947,8 +951,8 @@ def merge(out: Path, reruns: list[Path]) -> dict[str, Any]:
     runs = list(old_reruns)
     for folder in reruns:
         new: list[dict] = json.loads((folder / "reforward.json").read_text())
-        date = header(folder / "reforward.md")[0]["date"]
-        minutes = header(folder / "reforward.md")[1]
+        rerun_machine, minutes = header(folder / "reforward.md")
+        date = rerun_machine["date"]
         models = [
             m
             for m in DEFAULT_MODELS

@@ -779,11 +779,6 @@ def backward_floor(graph: Graph) -> tuple[int, int | None]:
     return best
 
 
-def _lower_bound(graph: Graph) -> int:
-    """Bytes every plan needs (:func:`backward_floor`)."""
-    return backward_floor(graph)[0]
-
-
 def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
     """The least simulated peak over the MILP's plans (or the best found in the time)."""
     sol = model.solve(None, integral=True, time_limit_s=time_limit_s)
@@ -794,11 +789,11 @@ def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
 
 
 def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
-    if budget < _lower_bound(graph):
+    if budget < backward_floor(graph)[0]:
         minimum, status = _minimum_peak(_model(graph, config.encoding), config.time_limit_s)
         raise BudgetTooSmallError(
             budget,
-            minimum if minimum is not None else _lower_bound(graph),
+            minimum if minimum is not None else backward_floor(graph)[0],
             "checkmate-milp",
             "below what the loss or some backward needs"
             + ("" if status == "optimal" else f"; minimum search stopped: {status}"),

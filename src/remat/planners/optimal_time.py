@@ -29,10 +29,10 @@ each entry is a lower bound on the exact least time. The plan itself is then fou
 in exact bytes (every size, every peak condition exact, so every returned plan truly fits):
 first a greedy descent that follows the best lower bound (after ``GREEDY_NODES`` nodes it takes
 the plans it already knows instead of trying to beat them, so it always ends), then branch and
-bound that proves optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the planner returns the
-fastest of the best plan found, the exact optimum of the chain with sizes rounded *up* to whole
-cells (it truly fits), and reference plans (every stage, the least-peak plan, flat plans of
-equal segments), with ``plan.params["proven_optimal"] = False`` and a lower bound on the time
+bound that proves optimality. If the proof needs more than ``SEARCH_NODES`` nodes, the planner
+returns the fastest of the best plan found, the exact optimum of the chain with sizes rounded
+*up* to whole cells (it truly fits), and reference plans (every stage, the least-peak plan, flat
+plans of equal segments), with ``plan.params["proven_optimal"] = False`` and a lower bound on the time
 in ``plan.params["time_lower_bound"]``.
 
 Example:
