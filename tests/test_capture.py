@@ -41,6 +41,7 @@ def test_unplanned_simulation_predicts_the_measured_step_peak(name):
     assert abs(predicted / measured - 1) <= 0.01, (name, predicted, measured)
 
 
+@pytest.mark.fresh_process
 def test_costs_are_stable_across_runs():
     entry = zoo.get("resnet18", image_size=32, batch_size=4)
     a = capture_chain(entry.model, entry.batch, entry.loss_fn, repeats=3)

@@ -140,6 +140,7 @@ def measured_and_predicted_step_peak(entry, trace, plan) -> tuple[int, int, int]
     return measured, predicted, fixed + trace.batch_bytes
 
 
+@pytest.mark.fresh_process
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
     """A real capture also measures the scratch memory CPU kernels allocate inside themselves
