@@ -126,3 +126,26 @@ def test_merge_replaces_the_rerun_models_and_says_so(tmp_path: Path) -> None:
     # merging the same rerun again keeps one line for it
     rf.merge(base, [rerun])
     assert (base / "reforward.md").read_text().count("were rerun") == 1
+
+
+def test_a_milp_without_a_plan_gets_a_second_longer_solve(monkeypatch) -> None:
+    # the first solve (milp_s) "times out"; the second (retry_s) plans; the cell is marked §
+    real = rf._plan
+    limits: list[float] = []
+
+    def plan(graph, method, budget, milp_s, **options):  # type: ignore[no-untyped-def]
+        if method == "checkmate-milp":
+            limits.append(milp_s)
+            if milp_s < 100:
+                return {"plan": None, "seconds": milp_s, "error": "PlannerTimeoutError: none"}
+        return real(graph, method, budget, milp_s, **options)
+
+    monkeypatch.setattr(rf, "_plan", plan)
+    plans = rf.plan_all(residual_chain(2), 0.95, milp_s=10.0, retry_s=600.0)
+    for key in ("checkmate-milp", "checkmate-milp@paper"):
+        assert plans[key]["plan"] is not None
+        assert plans[key]["solver"].startswith("MILP, second solve of 600 s")
+    assert limits == [10.0, 600.0, 10.0, 600.0]
+    rows = rf.table_rows("resnet50", residual_chain(2), plans, batch=64, image=224)
+    cell = rf._cell(next(r for r in rows if r["method"] == "checkmate-milp"))
+    assert cell.endswith("§")
