@@ -50,8 +50,7 @@ def plan(
         params=params,
         predicted_peak_bytes=sim.peak_bytes,
         predicted_time=sim.total_time,
-        chain_fingerprint=chain.fingerprint,
-    )
+    ).made_for(chain)
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,7 @@ def _plans_for_budgets(chain: Chain, method: str, budgets: list[int]) -> list[Pl
                 method=method,
                 predicted_peak_bytes=simulate(chain, p).peak_bytes,
                 predicted_time=simulate(chain, p).total_time,
-                chain_fingerprint=chain.fingerprint,
-            )
+            ).made_for(chain)
             for p in plans
         ]
     result: list[Plan | None] = []

@@ -32,7 +32,7 @@ from torch import nn
 from remat.costs import Chain
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.stages import UnsupportedModelError
+from remat.stages import UnsupportedModelError, check_no_own_checkpointing
 from remat.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -604,6 +604,7 @@ def auto(
     from remat.runtime import apply
 
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
+    check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     try:
         captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
     except UnsupportedModelError as err:

@@ -304,6 +304,7 @@ def _measure_chain(
         bwd_overhead_bytes=bwd_overhead,
         names=split.names,
         time_unit="flop" if fake else "s",
+        stages_fingerprint=split.fingerprint,
     )
     return chain, tuple(c.grad_rise_bytes for c in costs)
 

@@ -70,6 +70,11 @@ class Chain:
     """Optional stage names (module FQNs) for reports; default ``stage1..stageN``."""
     time_unit: str = "s"
     """What ``fwd_time``/``bwd_time`` count: ``"s"`` (seconds) or ``"flop"``."""
+    stages_fingerprint: str = ""
+    """Structure of the model's stages the chain was captured from
+    (:attr:`remat.stages.Stages.fingerprint`; empty for a chain not captured from a model).
+    Plans record it, so that :func:`remat.apply` refuses a plan made for another model. Not
+    part of :attr:`fingerprint` (the costs)."""
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -213,6 +218,8 @@ class Chain:
             if f.name.startswith("_"):
                 continue
             value = getattr(self, f.name)
+            if f.name == "stages_fingerprint" and not value:
+                continue  # a chain not captured from a model: the file format as before
             data[f.name] = list(value) if isinstance(value, tuple) else value
         return data
 
@@ -240,6 +247,7 @@ class Chain:
     def _canonical(self) -> str:
         data = self.to_dict()
         data.pop("names", None)
+        data.pop("stages_fingerprint", None)
         return json.dumps(data, sort_keys=True)
 
     def __len__(self) -> int:

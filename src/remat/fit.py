@@ -885,7 +885,7 @@ def _least_memory_plan(chain: Chain) -> Plan:
 
     unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
     least = make_plan(unit, _METHOD, min_feasible_peak(chain))
-    least = replace(least, chain_fingerprint=chain.fingerprint)
+    least = least.made_for(chain)
     sim = simulate(chain, least)
     params = {**least.params, "least_memory": True}
     return replace(least, params=params, predicted_time=sim.total_time)

@@ -156,6 +156,11 @@ class Plan:
     """Total time (forward + recomputation + backward) predicted by :func:`remat.simulate`."""
     chain_fingerprint: str | None = None
     """Fingerprint of the chain the plan was made for (:attr:`Chain.fingerprint`)."""
+    stages_fingerprint: str | None = None
+    """Structure of the model's stages the plan was made for (:attr:`Chain.stages_fingerprint`,
+    from :attr:`remat.stages.Stages.fingerprint`), when its chain was captured from a model:
+    :func:`remat.apply` refuses the plan for a model with other stages. None for plans made
+    without a captured chain (``Plan.from_checkpoints(n, ...)``, rule plans)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
@@ -216,6 +221,15 @@ class Plan:
     @classmethod
     def from_segments(cls, segments: Sequence[Segment], **kwargs: Any) -> Plan:
         return cls(tuple(segments), **kwargs)
+
+    def made_for(self, chain: Chain) -> Plan:
+        """This plan recording ``chain``'s fingerprints (its costs, and its model's stages when
+        it was captured from one): what every planner's plan carries."""
+        return replace(
+            self,
+            chain_fingerprint=chain.fingerprint,
+            stages_fingerprint=getattr(chain, "stages_fingerprint", "") or None,
+        )
 
     # ------------------------------------------------------------------ use
     def for_chain(self, chain: Chain | int) -> Plan:
@@ -280,6 +294,7 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_time": self.predicted_time,
             "chain_fingerprint": self.chain_fingerprint,
+            "stages_fingerprint": self.stages_fingerprint,
         }
         return json.dumps(data, indent=indent)
 
@@ -302,6 +317,7 @@ class Plan:
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
             predicted_time=data.get("predicted_time"),
             chain_fingerprint=data.get("chain_fingerprint"),
+            stages_fingerprint=data.get("stages_fingerprint"),  # absent in older files
         )
 
 

@@ -39,7 +39,13 @@ from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.plans import Plan, PlanError, Segment
-from remat.stages import Stages, _run_plain, split_stages
+from remat.stages import (
+    Stages,
+    StageWatch,
+    _run_plain,
+    check_no_own_checkpointing,
+    split_stages,
+)
 
 __all__ = ["apply", "PlannedModule", "SignatureMismatchError", "input_signature"]
 
@@ -214,6 +220,14 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
             f"({stages.describe()}); make the plan for this model's chain (same stages), e.g. "
             "with remat.capture_chain on the same model"
         )
+    if plan.stages_fingerprint and plan.stages_fingerprint != stages.fingerprint:
+        raise PlanError(
+            f"this plan was made for a model with other stages (structure fingerprint "
+            f"{plan.stages_fingerprint}: module types and parameter shapes of its {plan.n} "
+            f"stages), this model's stages are {stages.describe()} (fingerprint "
+            f"{stages.fingerprint}); make a plan for this model with "
+            "remat.capture_chain(model, batch) and remat.plan (or remat.auto)"
+        )
     return plan.for_chain(n)
 
 
@@ -223,7 +237,8 @@ class PlannedModule(nn.Module):
     It shares the original model's parameters and buffers: the model is its submodule
     ``.model``, so ``state_dict()`` keys are the model's prefixed with ``"model."`` (like any
     wrapper); ``planned.model.state_dict()`` has the original keys. Calling it equals calling
-    the model; the plan is used only in training mode with grad enabled.
+    the model; the plan is used only in training mode with grad enabled. Each call first
+    checks that the model still holds the submodules its stages run (see :meth:`_follow_model`).
     """
 
     def __init__(
@@ -244,6 +259,7 @@ class PlannedModule(nn.Module):
         object.__setattr__(self, "_replan", replan)
         object.__setattr__(self, "_signature", signature)
         object.__setattr__(self, "_plans", {})
+        object.__setattr__(self, "_watch", StageWatch(model, stages))
         self._set_plan(_resolve_plan(plan, stages), signature)
 
     # -------------------------------------------------------------- public state
@@ -275,6 +291,8 @@ class PlannedModule(nn.Module):
 
     # -------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # (dynamo guards on the modules it traced)
+            self._follow_model()
         stages = self._stages
         if stages.check is not None:
             stages.check(*args, **kwargs)
@@ -283,6 +301,40 @@ class PlannedModule(nn.Module):
         executor = self._executor_for(args, kwargs)
         a0 = stages.prepare(*args, **kwargs)
         return stages.finish(executor.run(a0), *args, **kwargs)
+
+    def _follow_model(self) -> None:
+        """Stages that hold a submodule the model no longer has (``model.fc = ...`` after
+        :func:`apply`) are cut again, and the plans re-checked for them (a plan with a stages
+        fingerprint needs the same structure); else :class:`PlanError` says to plan again."""
+        what = self._watch.changed()
+        if what is None:
+            return
+        again = "plan again for the changed model (remat.auto, or remat.apply with a new plan)"
+        if self._stages.split_again is None:
+            raise PlanError(
+                f"the model's submodule {what} changed after remat.apply, and these hand-made "
+                f"stages still run the old one; {again} with stages for it"
+            )
+        new = self._stages.split_again()
+        rebuilt: dict[int, _Executor] = {}
+
+        def rebuild(old: _Executor) -> _Executor:
+            if id(old) not in rebuilt:
+                rebuilt[id(old)] = _Executor(new, _resolve_plan(old.plan, new), self._early_stop)
+            return rebuilt[id(old)]
+
+        try:
+            executor = rebuild(self._executor)
+            plans = {sig: rebuild(old) for sig, old in self._plans.items()}
+        except PlanError as err:
+            raise PlanError(
+                f"the model's submodule {what} changed after remat.apply, and the plan does not "
+                f"fit the model's new stages: {err}; {again}"
+            ) from None
+        object.__setattr__(self, "_stages", new)
+        object.__setattr__(self, "_watch", StageWatch(self.model, new))
+        object.__setattr__(self, "_executor", executor)
+        object.__setattr__(self, "_plans", plans)
 
     def _executor_for(self, args: tuple, kwargs: dict) -> _Executor:
         sig = input_signature(*args, **kwargs)
@@ -339,7 +391,11 @@ def apply(
     Args:
         model: the model; its parameters and buffers are shared, not copied.
         plan: a :class:`~remat.plans.Plan` for this model's chain (``plan.n`` = number of
-            stages) or a rule plan (``Plan.none()``, ``Plan.every_stage()``).
+            stages; a plan that records the structure of the stages it was made for,
+            ``Plan.stages_fingerprint``, must match this model's: :class:`PlanError`
+            otherwise) or a rule plan (``Plan.none()``, ``Plan.every_stage()``). A submodule
+            of the model replaced later is followed (the model is cut again, the plan
+            re-checked; :class:`PlanError` if it no longer fits).
         stages: how the model is cut: ``None`` (automatic, :func:`remat.stages.split_stages`),
             a list of submodule names, or a :class:`~remat.stages.Stages`.
         example: the input the plan was made for (a tensor, a tuple of positional arguments,
@@ -359,6 +415,7 @@ def apply(
     from remat.distributed import check_not_wrapped
 
     check_not_wrapped(model, "remat.apply")  # DDP/FSDP go around the planned model, not inside
+    check_no_own_checkpointing(model)
     if stages is None or not isinstance(stages, Stages):
         stages = split_stages(model, stages)
     signature = None

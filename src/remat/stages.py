@@ -12,7 +12,9 @@ an attention mask that a model does not need). :func:`run_stages` is the plain s
 
 Supported structures (detected exactly; a subclass that overrides ``forward`` is not one):
 
-* any ``nn.Sequential`` (its ``forward`` not overridden): each child is a stage. Nested
+* any ``nn.Sequential`` (its ``forward`` not overridden): each child is a stage, in the order
+  ``forward`` runs them (a module object that appears twice, such as one shared ``nn.ReLU`` or
+  a block repeated, is one stage per occurrence). Nested
   ``Sequential`` children are **not** flattened (one child, one stage); to cut finer, name the
   boundaries (below), e.g. ``["0", "1.0", "1.1", "2"]``. A child with ``inplace=True`` (an
   in-place ``ReLU``, ``Dropout``, ...) joins the stage before it, so an in-place op never starts a
@@ -32,16 +34,25 @@ Supported structures (detected exactly; a subclass that overrides ``forward`` is
 * user-named boundaries: ``split_stages(model, ["layer1", "layer2", ...])`` with the FQNs of
   submodules whose composition in order equals the model (``"a+b"`` groups several submodules
   into one stage). The model is called with one tensor; the composition is **verified** on the
-  first run (:class:`StageMismatchError` if it differs from ``model(x)``).
+  first run (:class:`StageMismatchError` if it differs from ``model(x)``), and every parameter
+  that requires grad must belong to a stage (refused at once otherwise: a parameter the
+  forward uses outside the stages would get no gradient).
 
-Anything else raises :class:`UnsupportedModelError` saying what to do.
+Anything else raises :class:`UnsupportedModelError` saying what to do. A model with Hugging
+Face's own gradient checkpointing enabled is refused by every entry point
+(:func:`check_no_own_checkpointing`).
+
+:attr:`Stages.fingerprint` is the stages' structure (module types and parameter shapes), which
+plans made from a captured chain record; :class:`StageWatch` tells when a submodule the stages
+use was replaced in the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,7 +64,9 @@ __all__ = [
     "run_stages",
     "UnsupportedModelError",
     "StageMismatchError",
+    "StageWatch",
     "SUPPORTED_HELP",
+    "check_no_own_checkpointing",
 ]
 
 SUPPORTED_HELP = (
@@ -92,6 +105,9 @@ class Stages:
     """Which structure was recognised: ``"sequential"``, ``"resnet"``, ``"gpt2"``, ``"named"``..."""
     check: Callable[..., None] | None = field(default=None, compare=False, repr=False)
     """Called with the model's arguments before a run; verifies user-named stages once."""
+    split_again: Callable[[], Stages] | None = field(default=None, compare=False, repr=False)
+    """Cuts the model again the same way (automatic or by the same names), after one of its
+    submodules was replaced; None for hand-made stages."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", tuple(self.modules))
@@ -108,6 +124,20 @@ class Stages:
 
     def describe(self) -> str:
         return f"{self.kind}: {self.n} stages: " + ", ".join(self.names)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the stages' structure: their count and, per stage, the types of its
+        modules and the shapes of its parameters (not values, dtypes or devices). Plans made
+        from a captured chain record it, and :func:`remat.apply` refuses a plan made for other
+        stages."""
+        parts = []
+        for module in self.modules:
+            mods = [type(m).__qualname__ for m in module.modules()]
+            shapes = [tuple(p.shape) for p in module.parameters()]
+            parts.append(f"{mods}{shapes}")
+        text = f"{self.n}|" + "|".join(parts)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_stages(stages: Stages, *args: Any, **kwargs: Any) -> Any:
@@ -132,24 +162,53 @@ def split_stages(model: nn.Module, stages: Sequence[str] | None = None) -> Stage
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"expected an nn.Module, got {type(model).__name__}")
+    check_no_own_checkpointing(model)
     if stages is not None:
         if isinstance(stages, str):
             raise UnsupportedModelError(
                 "stages must be a list of submodule names, e.g. ['layer1', 'layer2'], "
                 f"not the string {stages!r}"
             )
-        return _split_named(model, list(stages))
+        names = list(stages)
+        result = _split_named(model, names)
+        return replace(result, split_again=lambda: split_stages(model, names))
     for splitter in (_split_sequential, _split_torchvision, _split_hf):
         result = splitter(model)
         if result is not None:
-            return result
+            return replace(result, split_again=lambda: split_stages(model))
     raise UnsupportedModelError(
         f"remat does not know how to cut a {type(model).__module__}.{type(model).__qualname__} "
         f"into stages. {SUPPORTED_HELP}"
     )
 
 
+def check_no_own_checkpointing(model: nn.Module) -> None:
+    """Refuse a model with Hugging Face's own gradient checkpointing enabled (any submodule with
+    ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()`` sets).
+
+    Called by every entry point that plans or runs a model (chain capture and
+    :func:`split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph path's
+    ``trace_graph`` and ``apply_graph``): its checkpoints would run inside remat's plan, so
+    the memory and time remat predicts would not be what runs.
+    """
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            where = f"its submodule {name!r}" if name else "it"
+            raise UnsupportedModelError(
+                f"this {type(model).__name__} has its own (Hugging Face) gradient checkpointing "
+                f"enabled ({where} has gradient_checkpointing=True): disable it with "
+                "model.gradient_checkpointing_disable(); remat plans the checkpointing itself"
+            )
+
+
 # ---------------------------------------------------------------------- helpers
+def _items(sequence: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A ``Sequential``'s (or ``ModuleList``'s) children in the order its ``forward`` runs
+    them, one entry per occurrence: ``named_children()`` lists a module object that appears
+    twice only once."""
+    return [(name, m) for name, m in sequence._modules.items() if m is not None]
+
+
 def _identity_prepare(*args: Any, **kwargs: Any) -> Any:
     if len(args) != 1 or kwargs:
         raise TypeError(
@@ -200,7 +259,7 @@ def _split_sequential(model: nn.Module) -> Stages | None:
         return None
     if len(model) == 0:
         raise UnsupportedModelError("an empty nn.Sequential has no stages")
-    modules, names = _children_stages(list(model.named_children()))
+    modules, names = _children_stages(_items(model))
     return Stages(
         tuple(modules), tuple(names), _identity_prepare, _identity_finish, kind="sequential"
     )
@@ -217,7 +276,7 @@ def _split_torchvision(model: nn.Module) -> Stages | None:
         modules: list[nn.Module] = [_group([model.conv1, model.bn1, model.relu, model.maxpool])]
         names = ["conv1+bn1+relu+maxpool"]
         for layer_name in ("layer1", "layer2", "layer3", "layer4"):
-            for block_name, block in getattr(model, layer_name).named_children():
+            for block_name, block in _items(getattr(model, layer_name)):
                 modules.append(block)
                 names.append(f"{layer_name}.{block_name}")
         modules.append(nn.Sequential(model.avgpool, nn.Flatten(1), model.fc))
@@ -239,9 +298,7 @@ def _split_torchvision(model: nn.Module) -> Stages | None:
         head_pool, kind = nn.AdaptiveAvgPool2d((1, 1)), "mobilenet_v2"
     if kind is None:
         return None
-    modules, names = _children_stages(
-        [(f"features.{n}", m) for n, m in model.features.named_children()]
-    )
+    modules, names = _children_stages([(f"features.{n}", m) for n, m in _items(model.features)])
     modules.append(nn.Sequential(head_pool, nn.Flatten(1), model.classifier))
     names.append("avgpool+flatten+classifier")
     return Stages(tuple(modules), tuple(names), _identity_prepare, _identity_finish, kind=kind)
@@ -271,11 +328,6 @@ def _split_hf(model: nn.Module) -> Stages | None:
                 return None
     except ImportError:  # pragma: no cover
         return None
-    if getattr(model, "is_gradient_checkpointing", False):
-        raise UnsupportedModelError(
-            "this Hugging Face model has its own gradient checkpointing enabled; call "
-            "model.gradient_checkpointing_disable() first: remat applies its own plan"
-        )
     if cls_name == "GPT2LMHeadModel":
         return _split_gpt2(model)
     return _split_llama(model)
@@ -599,9 +651,9 @@ def _split_llama(model: nn.Module) -> Stages:
 def _split_named(model: nn.Module, names: list[str]) -> Stages:
     if not names:
         raise UnsupportedModelError("stages=[] names no stage; " + SUPPORTED_HELP)
-    known = dict(model.named_modules())
+    known = dict(model.named_modules(remove_duplicate=False))  # every name of a shared module
     modules: list[nn.Module] = []
-    seen: set[int] = set()
+    seen: set[str] = set()
     for entry in names:
         if not isinstance(entry, str) or not entry:
             raise UnsupportedModelError(f"stage names must be non-empty strings, got {entry!r}")
@@ -615,12 +667,12 @@ def _split_named(model: nn.Module, names: list[str]) -> Stages:
                     f"stage {entry!r}: the model has no submodule {fqn!r}{hint}; use names from "
                     "model.named_modules()"
                 )
-            module = known[fqn]
-            if id(module) in seen:
+            if fqn in seen:
                 raise UnsupportedModelError(f"stage {entry!r}: submodule {fqn!r} named twice")
-            seen.add(id(module))
-            parts.append(module)
+            seen.add(fqn)
+            parts.append(known[fqn])
         modules.append(_group(parts))
+    _check_parameters_covered(model, modules, names)
     stages_holder: list[Stages] = []
     check = _CompositionCheck(model, stages_holder)
     stages = Stages(
@@ -633,6 +685,32 @@ def _split_named(model: nn.Module, names: list[str]) -> Stages:
     )
     stages_holder.append(stages)
     return stages
+
+
+def _check_parameters_covered(
+    model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str]
+) -> None:
+    """Every parameter that requires grad belongs to a named stage, or the stages are refused.
+
+    The first call's output check cannot see a parameter the model's forward uses outside the
+    named submodules (``self.head(self.body(x) * self.scale)``) while it leaves the output
+    unchanged (``scale`` is 1 at initialisation): the stages would never use it, and it would
+    never get a gradient.
+    """
+    covered = {id(p) for m in modules for p in m.parameters()}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    if not outside:
+        return
+    owners = sorted({n.rpartition(".")[0] for n in outside})
+    where = ", ".join(repr(o) if o else "the model itself" for o in owners)
+    shown = outside[:8] + ([f"... {len(outside) - 8} more"] if len(outside) > 8 else [])
+    raise StageMismatchError(
+        f"the named stages {list(names)} do not contain the parameter(s) {shown}, which "
+        "require grad: the stages would run without them and they would get no gradient. "
+        f"Include the submodule that owns them ({where}) in a stage (join submodules with "
+        "'+'; a parameter of the model itself needs its code moved into a submodule), or "
+        "freeze them (p.requires_grad_(False))"
+    )
 
 
 class _CompositionCheck:
@@ -721,3 +799,52 @@ def _compare_outputs(expected: Any, got: Any, path: str = "output") -> str | Non
         if expected == got:
             return None
     return f"{path}: {expected!r} != {got!r}"
+
+
+# ---------------------------------------------------------------------- replaced submodules
+class StageWatch:
+    """Tells when a submodule the stages run was replaced in the model after the split.
+
+    Stage modules are the model's own submodules (or the splitter's wrappers and groups that
+    hold them): ``model.fc = nn.Linear(...)`` afterwards leaves the stages running the old
+    ``fc``. The watch records the model's submodules the stages hold and, for every module on
+    their paths from the model, its children; :meth:`changed` compares those with the model's
+    current children (a few identity checks). A change deeper inside a stage module
+    (``model.layer1[0].conv1 = ...``) needs no watching: the stage module runs its new child.
+    """
+
+    def __init__(self, model: nn.Module, stages: Stages) -> None:
+        paths: dict[int, list[str]] = {}
+        by_name: dict[str, nn.Module] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), []).append(name)
+            by_name[name] = module
+        held: set[str] = set()
+
+        def visit(module: nn.Module) -> None:
+            if id(module) in paths:
+                held.update(paths[id(module)])
+            else:  # a wrapper or group made by the splitter: what it holds
+                for child in module.children():
+                    visit(child)
+
+        for module in stages.modules:
+            visit(module)
+        parents = {".".join(p.split(".")[:k]) for p in held if p for k in range(p.count(".") + 1)}
+        self._parents = [
+            (prefix, by_name[prefix], tuple(by_name[prefix]._modules.items()))
+            for prefix in sorted(parents)
+        ]
+
+    def changed(self) -> str | None:
+        """None while the model holds the same submodules; else which one changed."""
+        for prefix, parent, children in self._parents:
+            now = parent._modules
+            here = prefix + "." if prefix else ""
+            for name, child in children:
+                if now.get(name) is not child:
+                    return f"{here + name!r} ({'replaced' if name in now else 'removed'})"
+            if len(now) != len(children):
+                added = [k for k in now if k not in dict(children)]
+                return f"{here + (added[0] if added else '?')!r} (added)"
+        return None

@@ -89,6 +89,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.graphs.graph import Graph, Node
 from remat.measure import scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
+from remat.stages import check_no_own_checkpointing
 
 __all__ = [
     "LEVELS",
@@ -224,6 +225,7 @@ def trace_levels(
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    check_no_own_checkpointing(model)
     loss_fn = loss_fn or default_loss_fn
     if fake:
         from torch._subclasses.fake_tensor import (

@@ -75,6 +75,7 @@ from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.profile import LossFn, default_loss_fn, loss_from_output
 from remat.runtime import SignatureMismatchError, _describe_signature, input_signature
+from remat.stages import check_no_own_checkpointing
 
 __all__ = ["apply_graph", "GraphPlannedModule", "GraphExecutionError", "executed_plan"]
 
@@ -111,6 +112,7 @@ def apply_graph(
         raise TypeError("this model already has a plan; apply it to planned.model instead")
     if not isinstance(plan, GraphPlan):
         raise TypeError(f"plan must be a GraphPlan, got {type(plan).__name__}")
+    check_no_own_checkpointing(model)
     plan.for_graph(graph)
     module = GraphPlannedModule(model, plan, graph, fake_trace)
     if batch is not None:

@@ -367,8 +367,7 @@ class _Model:
             params=params,
             predicted_peak_bytes=peak,
             predicted_time=self.plan_time(segments),
-            chain_fingerprint=self.chain.fingerprint,
-        )
+        ).made_for(self.chain)
 
 
 _Item = tuple[int, int, "tuple[Segment, ...] | None"]
