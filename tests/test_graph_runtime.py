@@ -141,13 +141,26 @@ def measured_and_predicted_step_peak(entry, trace, plan) -> tuple[int, int, int]
 
 
 @pytest.mark.fresh_process
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
+@pytest.mark.parametrize(
+    ("name", "onednn"),
+    [(name, True) for name in sorted(MODELS)] + [("resnet18", False)],
+    ids=[*sorted(MODELS), "resnet18-without-oneDNN"],
+)
+def test_whole_step_peak_counted_by_the_allocator_is_predicted(name, onednn, monkeypatch):
     """A real capture also measures the scratch memory CPU kernels allocate inside themselves
-    (oneDNN convolution reorders: on ResNet-18 at 32 x 32 about 35 MiB, 40 times the
-    activations) with the allocator's own events; the whole step's peak (allocator events,
-    parameter gradients included) is then predicted within 2 % of what the step adds to the
-    fixed bytes, ResNet-18's within 1 KiB. The fake graph (no scratch) under-predicts ResNet-18's by over 20 %."""
+    with the allocator's own events; the whole step's peak (allocator events, parameter
+    gradients included) is then predicted within 2 % of what the step adds to the fixed bytes,
+    ResNet-18's within 1 KiB (no random call: exact up to the 1 KiB scratch threshold).
+
+    How much scratch there is depends on the CPU: oneDNN picks its convolution implementation,
+    and with it the weight and input reorders, from the instruction set (AVX2 here: ResNet-18
+    at 32 x 32, about 22 MiB at the step's peak, a third of the step; about 0.1 MB reported on
+    an AVX-512 CPU). These assertions hold whatever the amount. That they can fail is shown
+    without oneDNN (``torch.backends.mkldnn`` off), where the convolutions' im2col buffers are
+    the scratch, their size fixed by the shapes alone (about 0.45 MB at the unplanned peak):
+    there the fake graph, which sees no scratch, misses the allocator's peak by more than the
+    1 KiB the real capture meets."""
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)  # restored after the test
     entry = zoo.get(name, **MODELS[name])
     trace = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op")
     fake = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True)
@@ -162,14 +175,18 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name):
             measured,
             predicted,
         )
-        if name == "resnet18":  # no random call: exact up to the 1 KiB scratch threshold
+        if name == "resnet18":
             assert abs(measured - predicted) <= 1024, (plan_name, measured, predicted)
-        fixed_no_batch = fixed - trace.batch_bytes
         blind = simulate_step_peak(
-            fake.graph, GraphPlan(plan.segments), fixed_no_batch, fake.param_grad_bytes
+            fake.graph,
+            GraphPlan(plan.segments),
+            fixed - trace.batch_bytes,
+            fake.param_grad_bytes,
         )
-        if name == "resnet18":  # the fake graph misses the convolutions' scratch
-            assert blind < measured - 0.2 * (measured - fixed), (plan_name, blind, measured)
+        # the fake graph sees a subset of what the real one sees (no scratch)
+        assert blind <= predicted, (plan_name, blind, predicted)
+        if not onednn and plan_name == "none":  # the im2col buffers at the peak
+            assert blind < measured - 1024, (plan_name, blind, measured)
 
 
 def test_segments_may_interleave_with_stored_nodes():

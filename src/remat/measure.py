@@ -37,7 +37,13 @@ __all__ = [
     "median_ratio",
 ]
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+KINETO_QUIET_LOG_LEVEL = "6"
+"""Kineto's log level above its highest severity (USDT, 5; ERROR is 4): the profiler remat starts
+to count the allocator's events prints nothing (no ``USDT ... profiler_start/stop`` per window,
+no ``gpuGetDeviceCount failed`` on a machine without a GPU). Kineto reads ``KINETO_LOG_LEVEL``
+once, when the first profiler of the process starts; a value the user set is kept."""
+
+os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LOG_LEVEL)
 
 
 def unique_storage_bytes(tensors: Iterable[Any]) -> int:
