@@ -401,7 +401,7 @@ class _Recorder(TorchFunctionMode):
 _UNCOUNTED_GETTERS = frozenset({"grad", "_grad", "_base"})
 
 
-def in_transform(*groups: list[torch.Tensor]) -> bool:
+def in_transform(*objs: Any) -> bool:
     """True for a call made inside a ``torch.func`` transform (``torch.vmap``, as Hugging Face
     uses to build attention masks): its tensors are functorch wrappers, which have no storage.
 
@@ -409,7 +409,9 @@ def in_transform(*groups: list[torch.Tensor]) -> bool:
     the transform's result, an ordinary tensor, enters the program where a call reads it,
     like a tensor made outside any call.
     """
-    return any(_functorch_wrapped(t) for ts in groups for t in ts)
+    if torch._C._functorch.maybe_current_level() is None:  # no transform running: fast path
+        return False
+    return any(isinstance(t, torch.Tensor) and _functorch_wrapped(t) for t in tree_leaves(objs))
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
@@ -541,7 +543,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
         return t
 
     def pre_hook(module: nn.Module, args: Any) -> None:
-        if in_transform([t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]):
+        if in_transform(args):
             # a module run by torch.vmap (MemTracker's own hooks cannot read its arguments)
             raise _transform_error(f"the module {names.get(id(module)) or type(module).__name__}")
         st.serial += 1

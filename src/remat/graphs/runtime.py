@@ -588,7 +588,7 @@ class _Run(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if in_transform(_tensors((args, kwargs))):
+        if in_transform(args, kwargs):
             return func(*args, **kwargs)  # inside torch.vmap: not traced (capture.in_transform)
         calls = self.program.calls
         k = self.k
