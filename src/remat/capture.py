@@ -56,7 +56,9 @@ Known limitations: a plan that checkpoints the last stage cannot drop what the l
 (the executor runs the loss outside the stages), so such a plan may use up to the loss's
 saved bytes more than predicted; under fake tensors user-named stages are not checked against
 the model (the check compares values); a loss function that calls the model more than once is
-not supported; fake tensors allocate nothing, so a ``fake=True`` capture has no kernel scratch
+refused (``ValueError``: the chain is one forward), and so is a stage that writes into its input
+in place (:class:`remat.runtime.InPlaceInputError`: a checkpointed segment starting at it could
+not be recomputed); fake tensors allocate nothing, so a ``fake=True`` capture has no kernel scratch
 memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they matter).
 """
 
@@ -76,7 +78,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
 from remat.measure import AllocatorWindow, scratch_bytes
-from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.runtime import _versions, in_place_input_error
 from remat.stages import Stages, split_stages
 
 __all__ = ["capture_chain", "capture", "Captured", "StageCost", "measure_stage"]
@@ -214,6 +217,19 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+def _writes_input(run: Callable[[Any], Any], inp: Any) -> bool:
+    """Whether ``run`` writes into its input in place (tried on a copy without grad, where
+    writing into a leaf is allowed; buffers and RNG are restored by the caller)."""
+    probe = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), inp)
+    versions = _versions(_tensors(probe))
+    try:
+        with torch.no_grad():
+            run(probe)
+    except Exception:  # noqa: BLE001 - the caller re-raises the original error
+        return False
+    return _versions(_tensors(probe)) != versions
+
+
 def _keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """Storage identity -> bytes, each storage once."""
     out: dict[int, int] = {}
@@ -260,21 +276,34 @@ def _measure_chain(
             if last:
 
                 def run(inp: Any, module: nn.Module = module) -> Any:
+                    calls = []
+
                     def call(*a: Any, **k: Any) -> Any:
+                        calls.append(None)
+                        if len(calls) > 1:  # the chain is one forward of the model
+                            raise ValueError(ONE_MODEL_CALL)
                         return split.finish(module(inp), *a, **k)
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
             else:
                 run = module
-            cost, out = measure_stage(
-                run,
-                x,
-                exclude=fixed | outside,
-                fake=fake,
-                repeats=repeats,
-                params=params,
-                track=module,
-            )
+            versions = _versions(_tensors(x))
+            try:
+                cost, out = measure_stage(
+                    run,
+                    x,
+                    exclude=fixed | outside,
+                    fake=fake,
+                    repeats=repeats,
+                    params=params,
+                    track=module,
+                )
+            except RuntimeError as err:  # a leaf that requires grad written in place: whose?
+                if "in-place" in str(err) and _writes_input(run, x):
+                    raise in_place_input_error(i + 1, split.names[i]) from err
+                raise
+            if _versions(_tensors(x)) != versions:
+                raise in_place_input_error(i + 1, split.names[i])
             costs.append(cost)
             outs.append(cost.out_bytes)
             x = out

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = [
     "CATEGORIES",
@@ -90,6 +90,14 @@ CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations", 
 """The keys of :attr:`MemoryReport.categories`, in display order."""
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+ONE_MODEL_CALL = (
+    "loss_fn(model, batch) must call the model exactly once per step: remat measures and plans "
+    "one forward of the model (a second call would run outside the plan, and its activations "
+    "would not be counted). Call the model once (e.g. on the two inputs concatenated along "
+    "the batch dimension) and compute every loss term from its output"
+)
+"""The error when ``loss_fn`` calls the model twice (chain and graph captures)."""
 
 
 # ---------------------------------------------------------------------- the training step
@@ -375,6 +383,9 @@ _ACTIVATION_TAGS = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
 _FIXED_TAGS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
 
 
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes)
+
+
 class StepTracker(MemTracker):
     """``MemTracker`` that also keeps remat's measures, sampled after every operation:
 
@@ -398,6 +409,13 @@ class StepTracker(MemTracker):
     gradient from its creation: the samples taken in between are corrected when it is
     re-tagged.
     """
+
+    def track_external(self, *external: Any) -> None:
+        """Like ``MemTracker.track_external``; leaves that hold no memory (the floats, ints,
+        bools and strings of a batch such as ``{"x": x, "temperature": 0.7}``) are skipped
+        (MemTracker raises on them)."""
+        leaves = tree_flatten(external)[0]
+        super().track_external(*(x for x in leaves if not isinstance(x, _PLAIN_VALUES)))
 
     def __init__(self, root: nn.Module | None = None, timeline: bool = True) -> None:
         super().__init__()

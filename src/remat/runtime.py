@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,11 +47,43 @@ from remat.stages import (
     split_stages,
 )
 
-__all__ = ["apply", "PlannedModule", "SignatureMismatchError", "input_signature"]
+__all__ = [
+    "apply",
+    "PlannedModule",
+    "SignatureMismatchError",
+    "InPlaceInputError",
+    "input_signature",
+]
 
 
 class SignatureMismatchError(ValueError):
     """The model was called with inputs of other shapes/dtypes than the plan was made for."""
+
+
+class InPlaceInputError(ValueError):
+    """A stage writes into the tensor it receives: a checkpointed segment cannot start at it."""
+
+
+def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
+    """The error for stage ``stage`` (1-based) writing into its input (capture and executor)."""
+    return InPlaceInputError(
+        f"stage {stage} ({name}) writes into its input in place (an in-place operation such as "
+        "x.add_(1) or x.mul_(2) on the tensor it receives): a checkpointed segment starting at "
+        "this stage could not be recomputed, because its input no longer holds the value the "
+        "segment read. Make the operation out of place (x = x + 1), or join the stage with the "
+        "one before it (stages=[..., 'previous+this', ...]) so that the write stays inside one "
+        "stage"
+    )
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    out = []
+    for t in tensors:
+        try:
+            out.append(int(t._version))
+        except RuntimeError:  # inference tensors have no version counter
+            out.append(0)
+    return out
 
 
 # The checkpoint function the executor calls (a module attribute so tests can count calls).
@@ -125,27 +157,37 @@ def _running_stat_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
     return list(found.values())
 
 
-@contextlib.contextmanager
-def _frozen_running_stats(norms: Sequence[nn.Module]) -> Iterator[None]:
+class _FrozenRunningStats:
     """During a recomputation: batch norm updates throw-away copies of its running statistics.
 
     The train-mode output uses batch statistics, so it is unchanged; the real ``running_mean``,
     ``running_var`` and ``num_batches_tracked`` are updated only by the first forward. Copies
     (not ``track_running_stats=False``) keep the recomputation's saved tensors identical to the
     forward's: batch norm's backward node saves the running statistics as well.
+
+    A class, not a ``@contextmanager`` generator: torch enters a checkpoint's recompute context
+    once per recomputation, and a segment is recomputed again by every backward that needs it
+    (``backward(retain_graph=True)`` twice, or the second backward of ``create_graph=True``).
+    A generator context can be entered only once; this one any number of times.
     """
-    saved = []
-    for m in norms:
-        if m.training:
-            saved.append((m, m.running_mean, m.running_var, m.num_batches_tracked))
-            m.running_mean = m.running_mean.clone()
-            m.running_var = m.running_var.clone()
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked = m.num_batches_tracked.clone()
-    try:
-        yield
-    finally:
-        for m, mean, var, count in saved:
+
+    def __init__(self, norms: Sequence[nn.Module]) -> None:
+        self.norms = norms
+        self._entries: list[list[tuple[nn.Module, Any, Any, Any]]] = []
+
+    def __enter__(self) -> None:
+        saved = []
+        for m in self.norms:
+            if m.training:
+                saved.append((m, m.running_mean, m.running_var, m.num_batches_tracked))
+                m.running_mean = m.running_mean.clone()
+                m.running_var = m.running_var.clone()
+                if m.num_batches_tracked is not None:
+                    m.num_batches_tracked = m.num_batches_tracked.clone()
+        self._entries.append(saved)
+
+    def __exit__(self, *exc: object) -> None:
+        for m, mean, var, count in self._entries.pop():
             m.running_mean, m.running_var, m.num_batches_tracked = mean, var, count
 
 
@@ -204,10 +246,14 @@ class _Executor:
             # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
-                return contextlib.nullcontext(), _frozen_running_stats(norms)
+                return contextlib.nullcontext(), _FrozenRunningStats(norms)
 
             options["context_fn"] = context_fn
-        return checkpoint(run_children, *tensors, **options)
+        versions = _versions(tensors)
+        out = checkpoint(run_children, *tensors, **options)
+        if _versions(tensors) != versions:  # the recomputation would start from other values
+            raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
+        return out
 
 
 def _resolve_plan(plan: Plan, stages: Stages) -> Plan:

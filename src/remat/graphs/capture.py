@@ -66,7 +66,11 @@ Known limitations:
     * An output read by several nodes and saved by none keeps ``out_bytes`` in ``saved_bytes``
       (over-estimate); :attr:`GraphTrace.output_saved` says which.
     * Data-dependent Python control flow is recorded for the batch given (like any trace); a
-      model that calls itself several times inside ``loss_fn`` is not supported.
+      ``loss_fn`` that calls the model several times is refused (``ValueError``).
+    * Calls inside a ``torch.func`` transform (``torch.vmap``: Hugging Face builds its eager
+      attention masks so) are not recorded: their tensors are wrappers without storage, and
+      the transform's result enters the graph where a call reads it. A transform over tensors
+      that need a gradient, or one that runs a module, is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
 from remat.measure import scratch_bytes
-from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import check_no_own_checkpointing
 
 __all__ = [
@@ -100,6 +104,7 @@ __all__ = [
     "GraphTrace",
     "CallInfo",
     "is_tensor_call",
+    "in_transform",
 ]
 
 LEVELS = ("module", "op")
@@ -301,6 +306,7 @@ class _State:
     loss_key: int = -1
     real_saved: dict[int, int] = field(default_factory=dict)
     stray_saves: int = 0
+    dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
 
     def scope(self) -> str:
         if not self.inside:
@@ -346,6 +352,8 @@ class _Recorder(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         st = self.state
+        if st.dispatching:
+            return func(*args, **kwargs)  # an ATen op below the program (see _RandomWatch)
         ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         versions = [_version(t) for t in ins]
         index = len(st.calls)
@@ -362,6 +370,9 @@ class _Recorder(TorchFunctionMode):
             if st.allocator is not None:
                 st.allocator.end(span)
         outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if in_transform(ins, outs):
+            _check_transform_call(func, ins, outs)
+            return out  # inside torch.vmap (a Hugging Face mask): not part of the program
         mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
         if not is_tensor_call(func, outs, mutated):
             return out  # sizes, flags, hooks: not part of the program
@@ -390,6 +401,51 @@ class _Recorder(TorchFunctionMode):
 
 
 _UNCOUNTED_GETTERS = frozenset({"grad", "_grad", "_base"})
+
+
+def in_transform(*objs: Any) -> bool:
+    """True for a call made inside a ``torch.func`` transform (``torch.vmap``, as Hugging Face
+    uses to build attention masks): its tensors are functorch wrappers, which have no storage.
+
+    Such calls are not part of the program (neither the recorder nor the executor counts them):
+    the transform's result, an ordinary tensor, enters the program where a call reads it,
+    like a tensor made outside any call.
+    """
+    if torch._C._functorch.maybe_current_level() is None:  # no transform running: fast path
+        return False
+    return any(isinstance(t, torch.Tensor) and _functorch_wrapped(t) for t in tree_leaves(objs))
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    while _functorch_wrapped(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _check_transform_call(
+    func: Callable[..., Any], ins: list[torch.Tensor], outs: list[torch.Tensor]
+) -> None:
+    """Refuse a call inside a transform that touches a tensor requiring grad: its autograd
+    functions and saved tensors would be invisible to the graph (a silently wrong memory
+    model). Masks and indices built under ``torch.vmap`` need no gradient and pass."""
+    if not torch.is_grad_enabled():
+        return
+    if any(_unwrapped(t).requires_grad for t in (*ins, *outs)):
+        raise _transform_error(_op_name(func))
+
+
+def _transform_error(what: str) -> ValueError:
+    return ValueError(
+        f"the model runs {what} inside a torch.func transform (torch.vmap, torch.func.grad, "
+        "...): the graph capture cannot measure it (it supports only calls that need no "
+        "gradient under a transform, such as the masks Hugging Face builds with torch.vmap). "
+        "Plan the model as a chain instead (remat.auto(..., stages=[...]) naming its blocks), "
+        "or compute that part without the transform"
+    )
 
 
 def is_tensor_call(func: Callable[..., Any], outs: list[torch.Tensor], mutated: tuple) -> bool:
@@ -421,7 +477,14 @@ class _RandomWatch(TorchDispatchMode):
         rec = self.state.current
         if rec is not None and torch.Tag.nondeterministic_seeded in func.tags:
             rec.random = True
-        return func(*args, **(kwargs or {}))
+        # ATen ops run from here are below the program (functorch's C++ _remove_batch_dim
+        # dispatches its unsqueeze/expand here when a dispatch mode is active): the recorder
+        # must not count them, since the executor, which has no dispatch mode, never sees them
+        self.state.dispatching += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.state.dispatching -= 1
 
 
 def _version(t: torch.Tensor) -> int:
@@ -482,13 +545,16 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
         return t
 
     def pre_hook(module: nn.Module, args: Any) -> None:
+        if in_transform(args):
+            # a module run by torch.vmap (MemTracker's own hooks cannot read its arguments)
+            raise _transform_error(f"the module {names.get(id(module)) or type(module).__name__}")
         st.serial += 1
         st.stack.append((module, st.serial))
         if module is model:
             st.inside += 1
             st.entered += 1
             if st.entered > 1:
-                raise ValueError(_TWICE)
+                raise ValueError(ONE_MODEL_CALL)
 
     def post_hook(module: nn.Module, args: Any, out: Any) -> None:
         if st.stack and st.stack[-1][0] is module:
@@ -534,7 +600,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             with _Recorder(st, counter):
                 loss = loss_fn(model, batch)
         if st.entered != 1:
-            raise ValueError(_TWICE)
+            raise ValueError(ONE_MODEL_CALL)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         st.loss_key = _key(st, loss)
@@ -542,12 +608,6 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             _backward_costs(st, loss, counter)
         del loss
     return st
-
-
-_TWICE = (
-    "loss_fn(model, batch) must run the model's forward exactly once per step (capture_graph "
-    "traces one forward); call the model once and compute every loss term from its output"
-)
 
 
 def _backward_costs(st: _State, loss: torch.Tensor, counter: Any) -> None:
@@ -723,6 +783,8 @@ def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repea
             out = func(*args, **kwargs)
             seconds = time.perf_counter() - start
             outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+            if in_transform(ins, outs):
+                return out
             mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
             if not is_tensor_call(func, outs, mutated):
                 return out

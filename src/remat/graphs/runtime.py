@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.graphs.capture import GraphTrace, is_tensor_call, trace_levels
+from remat.graphs.capture import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.profile import LossFn, default_loss_fn, loss_from_output
@@ -590,12 +590,15 @@ class _Run(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if in_transform(args, kwargs):
+            return func(*args, **kwargs)  # inside torch.vmap: not traced (capture.in_transform)
         calls = self.program.calls
         k = self.k
         spec = calls[k] if k < len(calls) else None
         if spec is None or spec.func is not func:
             out = func(*args, **kwargs)
-            if is_tensor_call(func, _tensors(out), ()):
+            outs = _tensors(out)
+            if is_tensor_call(func, outs, ()) and not in_transform(outs):
                 expected = getattr(spec.func, "__name__", spec.func) if spec else "no more calls"
                 raise GraphExecutionError(
                     f"torch call {k} of the forward is {getattr(func, '__name__', func)} but the "
