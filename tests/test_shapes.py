@@ -11,6 +11,7 @@ is a clear error. A plan file of another schema version is a clear error.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,33 @@ def test_an_x_y_batch_with_a_loss_fn_replans_on_the_models_arguments() -> None:
     assert planned.plan != summary.plan or planned.signature != input_signature(x)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_loss_fn_that_keeps_more_than_a_sum_is_held_back_on_a_replan(graph: bool) -> None:
+    # A cross-entropy over 1024 classes keeps its log-softmax and the logits' gradient; a
+    # re-plan sees only the model's arguments and measures a sum instead. Measured before
+    # the margin: a last partial batch of 200 ran at 5.29 MB under a 5.14 MB budget.
+    torch.manual_seed(0)
+    model = _mlp(classes=1024) if not graph else SkipHead(classes=1024)
+    x, y = torch.randn(256, 128), torch.randint(0, 1024, (256,))
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph path says it is not a chain
+        _, unlimited = auto(model, (x, y), loss_fn=loss_fn)
+        fixed = unlimited.fixed_bytes
+        budget = int(fixed + 0.7 * (unlimited.unplanned_peak_bytes - fixed))
+        planned, _ = auto(model, (x, y), loss_fn=loss_fn, budget=budget)
+    results = []
+    for n in (200, 320):
+        g = torch.Generator().manual_seed(n)
+        batch = (torch.randn(n, 128, generator=g), torch.randint(0, 1024, (n,), generator=g))
+        step = lambda m, batch=batch: loss_fn(m, batch)  # noqa: E731
+        results.append(_check_new_shape(planned, model, budget, step, batch[0]))
+    assert results[0] == "fits"
+
+
 class Skip(nn.Module):
     """Not a chain: a skip connection around two blocks."""
 
@@ -182,6 +210,22 @@ class Skip(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
         return self.head(self.b(self.a(h)) + h)
+
+
+class SkipHead(nn.Module):
+    """Not a chain: a wide MLP with a skip over its middle blocks and a classifier head."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(128, 128), nn.GELU())
+        self.body = nn.Sequential(
+            *[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)]
+        )
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.body(h) + h)
 
 
 def test_graph_path_replans_a_new_batch_size_within_the_budget() -> None:

@@ -29,6 +29,7 @@ the batch shape it was captured at). With ``stages=`` named, a model that does n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -516,6 +517,7 @@ def _auto_graph(
     live all step (the safe reading)."""
     import warnings
 
+    from remat.capture import _model_arguments
     from remat.graphs import GraphPlan, plan_graph, simulate_graph, simulate_step_peak
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
@@ -531,8 +533,8 @@ def _auto_graph(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
 
-    def plan_traced(trace: Any, spec: int | float | str | None) -> tuple[Any, ...]:
-        """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
+    def step_peak_of(trace: Any) -> tuple[Callable[[GraphPlan], int], int]:
+        """The whole step's peak of a plan for ``trace``, and the optimizer step's."""
         graph = trace.graph
         grads = list(trace.param_grad_bytes)
         persistent = fixed - sum(grads)
@@ -542,6 +544,13 @@ def _auto_graph(
         def step_peak(plan: GraphPlan) -> int:
             return max(simulate_step_peak(graph, plan, persistent, grads), optimizer_phase)
 
+        return step_peak, optimizer_phase
+
+    def plan_traced(trace: Any, spec: int | float | str | None) -> tuple[Any, ...]:
+        """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
+        graph = trace.graph
+        persistent = fixed - sum(trace.param_grad_bytes)
+        step_peak, optimizer_phase = step_peak_of(trace)
         unplanned = step_peak(GraphPlan.none())
         total = None if spec is None else resolve_budget(spec, unplanned)
         if total is not None and step_bytes and optimizer_phase > total:
@@ -587,8 +596,18 @@ def _auto_graph(
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
 
+    def measure_loss() -> tuple[int, int]:
+        proxy = trace_graph(model, _model_arguments(model, loss_fn, batch), call_loss, "module")
+        return unplanned - step_peak_of(proxy)[0](GraphPlan.none()), proxy.graph.input_bytes
+
+    margin = _loss_margin(loss_fn, measure_loss)
+
     def replan(*args: Any, **kwargs: Any) -> tuple[GraphPlan, Any]:
         new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module")
+        held = margin(new.graph.input_bytes)
+        if held:
+            more = dataclasses.replace(new.graph, input_bytes=new.graph.input_bytes + held)
+            new = dataclasses.replace(new, graph=more)
         with _for_new_inputs(args, kwargs):
             return plan_traced(new, spec)[1], new.graph
 
@@ -605,6 +624,36 @@ def _replan_budget(budget: Any, total: int | None) -> int | float | None:
     if isinstance(budget, float) and budget == float("inf"):
         return budget
     return total
+
+
+def _loss_margin(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    measure: Callable[[], tuple[int, int]],
+) -> Callable[[int], int]:
+    """Bytes a re-plan holds back for the user's ``loss_fn``, as a function of the new inputs'
+    bytes (chain and graph paths).
+
+    A re-plan sees only the model's arguments, so it measures the step with
+    :func:`remat.runtime.call_loss` (the output's ``.loss`` or its sum); a ``loss_fn`` such as
+    a cross-entropy on the logits keeps more (its log-softmax and the logits' gradient).
+    ``measure()`` gives, at the planning batch, the unplanned step's peak with the user's loss
+    minus that with ``call_loss`` (at least 0) and the inputs' bytes it was measured at; it is
+    called once, at the first re-plan, and scaled linearly with the inputs' bytes (a loss's
+    memory grows with the batch and the sequence). Counted as live all step (an input's
+    bytes): an over-estimate, never an under-estimate, at the shapes it was measured for."""
+    cache: list[tuple[int, int]] = []
+
+    def margin(input_bytes: int) -> int:
+        if loss_fn is None:  # the default loss is call_loss on the batch's arguments
+            return 0
+        if not cache:
+            cache.append(measure())
+        extra, planning_bytes = cache[0]
+        if extra <= 0:
+            return 0
+        return -(-extra * input_bytes // max(1, planning_bytes))
+
+    return margin
 
 
 @contextlib.contextmanager
@@ -684,13 +733,23 @@ def auto(
 
     chosen, total = plan_captured(captured, budget)
     spec = _replan_budget(budget, total)
+    example = _model_arguments(model, loss_fn or default_loss_fn, batch)
+
+    def measure_loss() -> tuple[int, int]:
+        proxy = capture(model, example, loss_fn=call_loss, stages=stages)
+        return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
+
+    margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
         new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages)
+        held = margin(new.chain.input_bytes)
+        if held:
+            chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
+            new = dataclasses.replace(new, chain=chain)
         with _for_new_inputs(args, kwargs):
             return plan_captured(new, spec)[0]
 
-    example = _model_arguments(model, loss_fn or default_loss_fn, batch)
     planned = apply(model, chosen, stages=captured.stages, example=example, replan=replan)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
