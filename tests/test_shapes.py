@@ -297,6 +297,23 @@ def test_a_first_call_larger_than_the_planning_batch_replans_on_the_graph_path()
     assert planned.graph.input_bytes > 0 and planned.trace.graph is not None
 
 
+def _auto_distributed_records_the_planning_batch(rank: int) -> None:
+    import remat.distributed
+
+    model = _mlp(width=32, layers=2)
+    small = torch.randn(8, 32)
+    planned, _ = remat.distributed.auto_distributed(model, small)
+    assert planned.signature == input_signature(small)
+    with pytest.raises(SignatureMismatchError):  # not a collective: refused, never adopted
+        planned(torch.randn(64, 32))
+
+
+def test_auto_distributed_records_the_planning_batch() -> None:
+    from test_distributed import run_ranks
+
+    run_ranks(_auto_distributed_records_the_planning_batch)
+
+
 # ---------------------------------------------------------------------- item 3: budgets
 
 
