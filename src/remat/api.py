@@ -8,7 +8,7 @@ from remat.costs import Chain
 from remat.planners import BudgetTooSmallError, available, get_planner
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.units import parse_bytes
+from remat.units import resolve_budget
 
 __all__ = ["plan", "pareto", "ParetoPoint", "compare", "Comparison"]
 
@@ -18,8 +18,9 @@ def plan(
 ) -> Plan:
     """Plan ``chain`` with the planner ``method`` under a peak-memory ``budget``.
 
-    ``budget`` is the peak activation memory that :func:`remat.simulate` predicts (bytes, or a
-    string such as ``"512MiB"``); ``None`` lets the planner pick its default. The returned plan
+    ``budget`` is the peak activation memory that :func:`remat.simulate` predicts (bytes, a
+    string such as ``"512MiB"``, or a percentage of the unplanned activation peak such as
+    ``"50%"``: :func:`remat.units.resolve_budget`); ``None`` lets the planner pick its default. The returned plan
     carries its simulated peak and time and the chain's fingerprint. Raises
     :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
 
@@ -34,7 +35,13 @@ def plan(
         if isinstance(chain, Graph):  # the graph planners: reforward, checkmate-milp, ...
             return plan_graph(chain, method, budget)  # type: ignore[return-value]
         raise TypeError(f"plan takes a Chain or a Graph, got {type(chain).__name__}")
-    budget_bytes = None if budget is None else parse_bytes(budget)
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = resolve_budget(
+            budget,
+            lambda: simulate(chain, Plan.none(chain)).peak_bytes,
+            "the unplanned activation peak",
+        )
     result = get_planner(method)(chain, budget_bytes).for_chain(chain)
     sim = simulate(chain, result)
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:

@@ -11,8 +11,14 @@ Example:
     >>> planned, summary = remat.auto(model, torch.randn(32, 64))  # doctest: +SKIP
     >>> print(summary)  # doctest: +SKIP
 
-Known limitations: the batch shape is part of the plan (a new shape re-plans, through the
-``replan`` hook of :class:`remat.runtime.PlannedModule`). A model that cannot be split into
+Known limitations: the batch shape is part of the plan. The plan is recorded for the model's
+arguments in the planning batch; a training call with other shapes (a last partial batch,
+another sequence length, an added ``attention_mask``) captures the model again on those
+arguments and re-plans it under the same budget and planner (chain and graph paths alike:
+:class:`remat.runtime.SignaturePlans`), or raises
+:class:`~remat.planners.BudgetTooSmallError` naming the minimum for that shape. A re-plan sees
+only the model's arguments, so it measures the loss as :func:`remat.runtime.call_loss` does
+(the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A model that cannot be split into
 stages (branches, skips across blocks) is planned as a module graph instead, with a warning:
 ``checkmate-milp`` under the budget, Re-forwarding without one, run by the graph executor
 (that path counts every parameter gradient for the whole backward, and its plan is made for
@@ -22,7 +28,9 @@ the batch shape it was captured at). With ``stages=`` named, a model that does n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +41,7 @@ from remat.costs import Chain
 from remat.plans import Plan
 from remat.simulate import simulate
 from remat.stages import UnsupportedModelError, check_no_own_checkpointing
-from remat.units import format_bytes, parse_bytes
+from remat.units import format_bytes, parse_bytes, resolve_budget
 
 if TYPE_CHECKING:
     from remat.capture import Captured
@@ -509,77 +517,163 @@ def _auto_graph(
     live all step (the safe reading)."""
     import warnings
 
+    from remat.capture import _model_arguments
     from remat.graphs import GraphPlan, plan_graph, simulate_graph, simulate_step_peak
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
     from remat.planners import BudgetTooSmallError
     from remat.profile import optimizer_costs
+    from remat.runtime import call_loss
 
     warnings.warn(
         f"remat.auto: the model is not a chain of stages ({why.splitlines()[0]}); planning its "
         "module graph instead (checkmate-milp / reforward, graph executor)",
         stacklevel=3,
     )
-    trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")
-    graph = trace.graph
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
-    grads = list(trace.param_grad_bytes)
-    persistent = fixed - sum(grads)
-    # the optimizer step: every gradient, the batch and the step's temporaries (no plan helps)
-    optimizer_phase = fixed + graph.input_bytes + step_bytes if optimizer is not None else 0
-    if budget is not None and step_bytes and optimizer_phase > parse_bytes(budget):
-        # named minimum: feasible with every gradient counted live (reforward's least peak)
-        least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
-        raise _optimizer_step_too_large(
-            parse_bytes(budget),
-            max(optimizer_phase, fixed + least),
-            "checkmate-milp",
-            optimizer_phase,
-            step_bytes,
-        )
 
-    def step_peak(plan: GraphPlan) -> int:
-        return max(simulate_step_peak(graph, plan, persistent, grads), optimizer_phase)
+    def step_peak_of(trace: Any) -> tuple[Callable[[GraphPlan], int], int]:
+        """The whole step's peak of a plan for ``trace``, and the optimizer step's."""
+        graph = trace.graph
+        grads = list(trace.param_grad_bytes)
+        persistent = fixed - sum(grads)
+        # the optimizer step: every gradient, the batch and the step's temporaries (no plan)
+        optimizer_phase = fixed + graph.input_bytes + step_bytes if optimizer is not None else 0
 
-    none = simulate_graph(graph, GraphPlan.none())
-    if budget is None:
-        method = "reforward"
-        chosen = plan_graph(graph, method)
-        forward = sum(node.fwd_time for node in graph.nodes)
-        if simulate_graph(graph, chosen).total_time > none.total_time + forward:
-            method, chosen = "none", GraphPlan.none()
-    else:
-        method = "checkmate-milp"
-        total = parse_bytes(budget)
-        chosen = None
-        if total - persistent > 0:
-            try:
-                first = plan_graph(graph, method, total - persistent)
-                chosen = first if step_peak(first) <= total else None
-            except BudgetTooSmallError:
-                chosen = None
-        if chosen is None:
-            try:
-                chosen = plan_graph(graph, method, max(0, total - fixed))
-            except BudgetTooSmallError as err:
-                raise BudgetTooSmallError(
-                    total, fixed + err.minimum_bytes, method, "total training-step peak (graph)"
-                ) from None
+        def step_peak(plan: GraphPlan) -> int:
+            return max(simulate_step_peak(graph, plan, persistent, grads), optimizer_phase)
+
+        return step_peak, optimizer_phase
+
+    def plan_traced(trace: Any, spec: int | float | str | None) -> tuple[Any, ...]:
+        """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
+        graph = trace.graph
+        persistent = fixed - sum(trace.param_grad_bytes)
+        step_peak, optimizer_phase = step_peak_of(trace)
+        unplanned = step_peak(GraphPlan.none())
+        total = None if spec is None else resolve_budget(spec, unplanned)
+        if total is not None and step_bytes and optimizer_phase > total:
+            # named minimum: feasible with every gradient counted live (reforward's least peak)
+            least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
+            raise _optimizer_step_too_large(
+                total,
+                max(optimizer_phase, fixed + least),
+                "checkmate-milp",
+                optimizer_phase,
+                step_bytes,
+            )
+        if total is None:
+            method = "reforward"
+            chosen = plan_graph(graph, method)
+            forward = sum(node.fwd_time for node in graph.nodes)
+            none_time = simulate_graph(graph, GraphPlan.none()).total_time
+            if simulate_graph(graph, chosen).total_time > none_time + forward:
+                method, chosen = "none", GraphPlan.none()
+        else:
+            method = "checkmate-milp"
+            chosen = None
+            if total - persistent > 0:
+                try:
+                    first = plan_graph(graph, method, total - persistent)
+                    chosen = first if step_peak(first) <= total else None
+                except BudgetTooSmallError:
+                    chosen = None
+            if chosen is None:
+                try:
+                    chosen = plan_graph(graph, method, max(0, total - fixed))
+                except BudgetTooSmallError as err:
+                    raise BudgetTooSmallError(
+                        total,
+                        fixed + err.minimum_bytes,
+                        method,
+                        "total training-step peak (graph)",
+                    ) from None
+        return method, chosen, total, step_peak(chosen), unplanned
+
+    trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")
+    graph = trace.graph
+    method, chosen, total, peak, unplanned = plan_traced(trace, budget)
+    spec = _replan_budget(budget, total)
+
+    def measure_loss() -> tuple[int, int]:
+        proxy = trace_graph(model, _model_arguments(model, loss_fn, batch), call_loss, "module")
+        return unplanned - step_peak_of(proxy)[0](GraphPlan.none()), proxy.graph.input_bytes
+
+    margin = _loss_margin(loss_fn, measure_loss)
+
+    def replan(*args: Any, **kwargs: Any) -> tuple[GraphPlan, Any]:
+        new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module")
+        held = margin(new.graph.input_bytes)
+        if held:
+            more = dataclasses.replace(new.graph, input_bytes=new.graph.input_bytes + held)
+            new = dataclasses.replace(new, graph=more)
+        with _for_new_inputs(args, kwargs):
+            return plan_traced(new, spec)[1], new.graph
+
+    planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
-    planned = apply_graph(model, chosen, graph, batch, loss_fn)
-    summary = AutoSummary.of(
-        method,
-        chosen,
-        graph,
-        budget,
-        fixed,
-        sim,
-        none,
-        step_peak(chosen),
-        step_peak(GraphPlan.none()),
-    )
+    none = simulate_graph(graph, GraphPlan.none())
+    summary = AutoSummary.of(method, chosen, graph, total, fixed, sim, none, peak, unplanned)
     return planned, summary
+
+
+def _replan_budget(budget: Any, total: int | None) -> int | float | None:
+    """The budget a new input shape is planned for: the same bytes (a percentage is read
+    once, against the planning batch's unplanned peak), or no limit again for ``inf``."""
+    if isinstance(budget, float) and budget == float("inf"):
+        return budget
+    return total
+
+
+def _loss_margin(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    measure: Callable[[], tuple[int, int]],
+) -> Callable[[int], int]:
+    """Bytes a re-plan holds back for the user's ``loss_fn``, as a function of the new inputs'
+    bytes (chain and graph paths).
+
+    A re-plan sees only the model's arguments, so it measures the step with
+    :func:`remat.runtime.call_loss` (the output's ``.loss`` or its sum); a ``loss_fn`` such as
+    a cross-entropy on the logits keeps more (its log-softmax and the logits' gradient).
+    ``measure()`` gives, at the planning batch, the unplanned step's peak with the user's loss
+    minus that with ``call_loss`` (at least 0) and the inputs' bytes it was measured at; it is
+    called once, at the first re-plan, and scaled linearly with the inputs' bytes (a loss's
+    memory grows with the batch and the sequence). Counted as live all step (an input's
+    bytes): an over-estimate, never an under-estimate, at the shapes it was measured for."""
+    cache: list[tuple[int, int]] = []
+
+    def margin(input_bytes: int) -> int:
+        if loss_fn is None:  # the default loss is call_loss on the batch's arguments
+            return 0
+        if not cache:
+            cache.append(measure())
+        extra, planning_bytes = cache[0]
+        if extra <= 0:
+            return 0
+        return -(-extra * input_bytes // max(1, planning_bytes))
+
+    return margin
+
+
+@contextlib.contextmanager
+def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
+    """A budget too small for a re-planned input shape says which shape."""
+    from remat.planners import BudgetTooSmallError
+    from remat.runtime import _describe_signature, input_signature
+
+    try:
+        yield
+    except BudgetTooSmallError as err:
+        shape = _describe_signature(input_signature(*args, **kwargs))
+        raise BudgetTooSmallError(
+            err.budget_bytes,
+            err.minimum_bytes,
+            err.method,
+            f"re-planning the training step for the new inputs {shape}: the plan depends on "
+            "the batch shape; raise the budget to the minimum or call the model on smaller "
+            "inputs",
+        ) from err
 
 
 def auto(
@@ -594,14 +688,21 @@ def auto(
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
     ``budget`` is the total peak of the training step (what the device must hold: parameters,
-    gradients, optimizer state and activations), as bytes or a string like ``"4GiB"``. remat
+    gradients, optimizer state and activations), as bytes, a string like ``"4GiB"``, or a
+    percentage of the unplanned step's predicted peak such as ``"50%"``
+    (:func:`remat.units.resolve_budget`; ``float("inf")``: no limit, the unplanned peak). remat
     subtracts what no plan changes and plans the rest. With ``budget=None`` it picks the plan
     with the least memory whose time overhead stays at most one extra forward.
+
+    The plan is for the model's arguments in ``batch`` (what ``loss_fn`` calls the model
+    with); a training call with other input shapes re-plans for them under the same budget and
+    planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
+    the minimum for that shape.
     """
-    from remat.capture import capture
+    from remat.capture import _model_arguments, capture
     from remat.distributed import check_not_wrapped
-    from remat.profile import optimizer_costs
-    from remat.runtime import apply
+    from remat.profile import default_loss_fn, optimizer_costs
+    from remat.runtime import apply, call_loss
 
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
@@ -616,29 +717,52 @@ def auto(
     _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
     rises = captured.grad_rise_bytes
-    chosen = plan_for_total_budget(chain, fixed, budget, method, grads, rises, step_bytes)
+    persistent = fixed - sum(grads)
 
-    def replan(new_batch: Any) -> Plan:
-        new = capture(model, new_batch, loss_fn=loss_fn, stages=stages)
-        return plan_for_total_budget(
-            new.chain, fixed, budget, method, grads, new.grad_rise_bytes, step_bytes
+    def unplanned_peak(new: Captured) -> int:
+        none = Plan.none(new.chain)
+        return total_peak_bytes(
+            new.chain, none, persistent, grads, new.grad_rise_bytes, optimizer_step_bytes=step_bytes
         )
 
-    planned = apply(model, chosen, stages=captured.stages, replan=replan)
+    def plan_captured(new: Captured, spec: int | float | str | None) -> tuple[Plan, int | None]:
+        total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
+        plan = plan_for_total_budget(
+            new.chain, fixed, total, method, grads, new.grad_rise_bytes, step_bytes
+        )
+        return plan, total
+
+    chosen, total = plan_captured(captured, budget)
+    spec = _replan_budget(budget, total)
+    example = _model_arguments(model, loss_fn or default_loss_fn, batch)
+
+    def measure_loss() -> tuple[int, int]:
+        proxy = capture(model, example, loss_fn=call_loss, stages=stages)
+        return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
+
+    margin = _loss_margin(loss_fn, measure_loss)
+
+    def replan(*args: Any, **kwargs: Any) -> Plan:
+        new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages)
+        held = margin(new.chain.input_bytes)
+        if held:
+            chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
+            new = dataclasses.replace(new, chain=chain)
+        with _for_new_inputs(args, kwargs):
+            return plan_captured(new, spec)[0]
+
+    planned = apply(model, chosen, stages=captured.stages, example=example, replan=replan)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
-    persistent = fixed - sum(grads)
     summary = AutoSummary.of(
         method,
         chosen,
         chain,
-        budget,
+        total,
         fixed,
         sim,
         none,
         total_peak_bytes(chain, chosen, persistent, grads, rises, optimizer_step_bytes=step_bytes),
-        total_peak_bytes(
-            chain, Plan.none(chain), persistent, grads, rises, optimizer_step_bytes=step_bytes
-        ),
+        unplanned_peak(captured),
     )
     return planned, summary

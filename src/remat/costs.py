@@ -229,14 +229,9 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> Chain:
         """Read a chain written by :meth:`to_json` (checks the schema and its version)."""
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema") != "remat.chain":
-            raise ValueError("not a remat chain: the JSON has no 'schema': 'remat.chain'")
-        if data.get("version") != CHAIN_SCHEMA_VERSION:
-            raise ValueError(
-                f"chain schema version {data.get('version')} is not supported "
-                f"(this remat reads version {CHAIN_SCHEMA_VERSION})"
-            )
+        from remat.plans import read_schema
+
+        data = read_schema(text, "remat.chain", CHAIN_SCHEMA_VERSION, "remat chain", ValueError)
         return cls._from_dict(data)
 
     @classmethod

@@ -461,9 +461,9 @@ def auto_distributed(
     check_not_wrapped(model, "auto_distributed")
 
     from remat.auto import AutoSummary, plan_for_total_budget
-    from remat.capture import capture
+    from remat.capture import _model_arguments, capture
     from remat.costs import Chain
-    from remat.profile import optimizer_costs
+    from remat.profile import default_loss_fn, optimizer_costs
     from remat.runtime import apply
     from remat.simulate import simulate
     from remat.stages import split_stages
@@ -518,7 +518,10 @@ def auto_distributed(
             f"rank {rank} cut the model into stages {list(cut.names)} but rank {src} into "
             f"{message['names']}: every rank must build the same model"
         )
-    planned = apply(model, chosen, stages=cut)
+    # the plan is for this rank's batch: record its model arguments (a first call of another
+    # shape must not adopt the plan)
+    example = _model_arguments(model, loss_fn or default_loss_fn, batch)
+    planned = apply(model, chosen, stages=cut, example=example)
     check_same_plan(planned, group=group)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)

@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from remat.costs import Chain
 from remat.planners import BudgetTooSmallError
 from remat.plans import Plan
-from remat.units import format_bytes, format_time, parse_bytes
+from remat.units import format_bytes, format_time, resolve_budget
 
 __all__ = [
     "fit",
@@ -441,7 +441,9 @@ def fit(
     Args:
         model: the model (plain ``nn.Module``, not yet planned or wrapped in DDP/FSDP).
         batch: one training batch (its size is the step's batch size).
-        budget: bytes, or a string like ``"512MiB"``.
+        budget: bytes, a string like ``"512MiB"``, or a percentage of the unplanned step's
+            predicted peak (fp32, one microbatch, no plan) such as ``"50%"``
+            (:func:`remat.units.resolve_budget`; ``float("inf")``: that peak itself).
         loss_fn: ``loss_fn(model, batch) -> scalar``; default :func:`remat.profile.default_loss_fn`.
         optimizer: the optimizer the steps will use: its state and its step's temporaries are
             part of the budget. Without it the steps keep gradients and nothing else.
@@ -471,7 +473,7 @@ def fit(
     if isinstance(model, PlannedModule):
         raise TypeError("remat.fit plans the model itself: pass planned.model, not a planned one")
     check_not_wrapped(model, "remat.fit")
-    budget_bytes = parse_bytes(budget)
+    resolve_budget(budget, 0)  # a budget remat cannot read fails before the model is touched
     names = _precision_names(precisions)
     for name in names:
         _check_supported(name, _device_type(model))
@@ -488,6 +490,11 @@ def fit(
         repeats=repeats,
         precision_factors=dict(precision_factors or {}),
         masks=masks,
+    )
+    budget_bytes = resolve_budget(
+        budget,
+        lambda: search.evaluate("fp32", 1, 0).unplanned_peak_bytes,
+        "the unplanned step's predicted peak (fp32, one microbatch)",
     )
     reserve = 0
     setup: FitSetup | None = None

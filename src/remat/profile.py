@@ -269,14 +269,15 @@ class MemoryReport:
     @classmethod
     def from_json(cls, text: str) -> MemoryReport:
         """Read a report written by :meth:`to_json` (checks the schema and its version)."""
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema") != "remat.memory_report":
-            raise ValueError("not a remat memory report: no 'schema': 'remat.memory_report'")
-        if data.get("version") != MEMORY_REPORT_SCHEMA_VERSION:
-            raise ValueError(
-                f"memory report schema version {data.get('version')} is not supported "
-                f"(this remat reads version {MEMORY_REPORT_SCHEMA_VERSION})"
-            )
+        from remat.plans import read_schema
+
+        data = read_schema(
+            text,
+            "remat.memory_report",
+            MEMORY_REPORT_SCHEMA_VERSION,
+            "remat memory report",
+            ValueError,
+        )
         data.pop("schema")
         data.pop("version")
         data["module_peaks"] = {k: tuple(v) for k, v in data.get("module_peaks", {}).items()}

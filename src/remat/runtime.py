@@ -52,7 +52,9 @@ __all__ = [
     "PlannedModule",
     "SignatureMismatchError",
     "InPlaceInputError",
+    "SignaturePlans",
     "input_signature",
+    "call_loss",
 ]
 
 
@@ -140,6 +142,71 @@ def _example_args(example: Any) -> tuple[tuple, dict]:
         "dict of keyword arguments, or (args_tuple, kwargs_dict); got "
         f"{type(example).__name__}"
     )
+
+
+def call_loss(model: nn.Module, call: tuple[tuple, dict]) -> torch.Tensor:
+    """The loss remat plans a new input shape with: ``call`` is the model's call arguments
+    ``(args, kwargs)``; the loss is the output's ``.loss`` (a Hugging Face model given labels)
+    or its sum (:func:`remat.profile.loss_from_output`). A planned module sees the model's
+    arguments only, not the batch a user's ``loss_fn`` takes."""
+    from remat.profile import loss_from_output
+
+    args, kwargs = call
+    return loss_from_output(model(*args, **kwargs))
+
+
+class SignaturePlans:
+    """What a planned module runs for each input signature: the one place (chain and graph
+    executors) where a training call with new input shapes is re-planned or refused.
+
+    ``current`` is what runs for ``signature`` (None: the first training call's signature is
+    adopted). For another signature, ``replan(*args, **kwargs)`` (the model's call arguments)
+    makes a plan and ``build(plan, args, kwargs)`` what runs it; results are cached per
+    signature. Without ``replan`` a new signature raises :class:`SignatureMismatchError`
+    saying ``what_to_do``.
+    """
+
+    def __init__(
+        self,
+        current: Any,
+        signature: tuple | None,
+        replan: Callable[..., Any] | None,
+        build: Callable[[Any, tuple, dict], Any],
+        what_to_do: str,
+    ) -> None:
+        self.current = current
+        self.signature = signature
+        self.replan = replan
+        self.build = build
+        self.what_to_do = what_to_do
+        self.cache: dict[tuple, Any] = {}
+        if signature is not None:
+            self.cache[signature] = current
+
+    def set(self, signature: tuple | None, current: Any) -> None:
+        self.current, self.signature = current, signature
+        if signature is not None:
+            self.cache[signature] = current
+
+    def lookup(self, args: tuple, kwargs: dict) -> Any:
+        """What runs a training call with these arguments (re-planned on a new signature)."""
+        sig = input_signature(*args, **kwargs)
+        if self.signature is None:
+            self.set(sig, self.current)
+        elif sig != self.signature:
+            cached = self.cache.get(sig)
+            if cached is not None:
+                self.current, self.signature = cached, sig
+            elif self.replan is None:
+                raise SignatureMismatchError(
+                    "this plan was made for inputs "
+                    f"{_describe_signature(self.signature)} but the model was called with "
+                    f"{_describe_signature(sig)}; memory and time of a plan depend on the batch "
+                    f"shape, so remat does not run it on other sizes. {self.what_to_do}"
+                )
+            else:
+                self.set(sig, self.build(self.replan(*args, **kwargs), args, kwargs))
+        return self.current
 
 
 # ---------------------------------------------------------------------- batch norm
@@ -302,11 +369,17 @@ class PlannedModule(nn.Module):
         # kept out of the module tree so that parameters and state_dict are the model's only.
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_early_stop", early_stop)
-        object.__setattr__(self, "_replan", replan)
-        object.__setattr__(self, "_signature", signature)
-        object.__setattr__(self, "_plans", {})
         object.__setattr__(self, "_watch", StageWatch(model, stages))
-        self._set_plan(_resolve_plan(plan, stages), signature)
+        executor = _Executor(stages, _resolve_plan(plan, stages), early_stop)
+        plans = SignaturePlans(
+            executor,
+            signature,
+            replan,
+            self._build,
+            "Make a plan for these inputs and call remat.apply again, or pass replan=callable "
+            "(called with the new inputs, returning a Plan) to remat.apply.",
+        )
+        object.__setattr__(self, "_plans", plans)
 
     # -------------------------------------------------------------- public state
     @property
@@ -316,18 +389,19 @@ class PlannedModule(nn.Module):
     @property
     def plan(self) -> Plan:
         """The plan in use (for the last training input signature)."""
-        return self._executor.plan
+        return self._plans.current.plan
 
     @property
     def signature(self) -> tuple | None:
         """Input signature the current plan was made for (None: not known yet)."""
-        return self._signature
+        return self._plans.signature
 
-    def _set_plan(self, plan: Plan, signature: tuple | None) -> None:
-        object.__setattr__(self, "_executor", _Executor(self._stages, plan, self._early_stop))
-        object.__setattr__(self, "_signature", signature)
-        if signature is not None:
-            self._plans[signature] = self._executor
+    @property
+    def _executor(self) -> _Executor:
+        return self._plans.current
+
+    def _build(self, plan: Plan, args: tuple, kwargs: dict) -> _Executor:
+        return _Executor(self._stages, _resolve_plan(plan, self._stages), self._early_stop)
 
     def train(self, mode: bool = True) -> PlannedModule:
         super().train(mode)
@@ -369,9 +443,10 @@ class PlannedModule(nn.Module):
                 rebuilt[id(old)] = _Executor(new, _resolve_plan(old.plan, new), self._early_stop)
             return rebuilt[id(old)]
 
+        plans = self._plans
         try:
-            executor = rebuild(self._executor)
-            plans = {sig: rebuild(old) for sig, old in self._plans.items()}
+            current = rebuild(plans.current)
+            cache = {sig: rebuild(old) for sig, old in plans.cache.items()}
         except PlanError as err:
             raise PlanError(
                 f"the model's submodule {what} changed after remat.apply, and the plan does not "
@@ -379,33 +454,11 @@ class PlannedModule(nn.Module):
             ) from None
         object.__setattr__(self, "_stages", new)
         object.__setattr__(self, "_watch", StageWatch(self.model, new))
-        object.__setattr__(self, "_executor", executor)
-        object.__setattr__(self, "_plans", plans)
+        plans.cache = cache
+        plans.current = current
 
     def _executor_for(self, args: tuple, kwargs: dict) -> _Executor:
-        sig = input_signature(*args, **kwargs)
-        if self._signature is None:
-            self._set_plan(self._executor.plan, sig)
-            return self._executor
-        if sig == self._signature:
-            return self._executor
-        cached = self._plans.get(sig)
-        if cached is not None:
-            object.__setattr__(self, "_executor", cached)
-            object.__setattr__(self, "_signature", sig)
-            return cached
-        if self._replan is None:
-            raise SignatureMismatchError(
-                "this plan was made for inputs "
-                f"{_describe_signature(self._signature)} but the model was called with "
-                f"{_describe_signature(sig)}; memory and time of a plan depend on the batch "
-                "shape, so remat does not run it on other sizes. Make a plan for these inputs "
-                "and call remat.apply again, or pass replan=callable (called with the new "
-                "inputs, returning a Plan) to remat.apply."
-            )
-        new_plan = self._replan(*args, **kwargs)
-        self._set_plan(_resolve_plan(new_plan, self._stages), sig)
-        return self._executor
+        return self._plans.lookup(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

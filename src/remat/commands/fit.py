@@ -34,7 +34,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("model", metavar="MODEL", help="zoo name or package.module:factory")
-    p.add_argument("--budget", required=True, help="peak memory of the step, e.g. 512MiB")
+    p.add_argument(
+        "--budget",
+        required=True,
+        help="peak memory of the step, e.g. 512MiB, or 50%% of the unplanned step's peak",
+    )
     p.add_argument("--batch", type=int, help="batch size (default: the model's)")
     p.add_argument(
         "--density",

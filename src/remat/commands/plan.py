@@ -26,7 +26,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("source", help="chain JSON file, homogeneous:N, random:N[:SEED], or a model")
     p.add_argument("--method", help="one planner (default: every planner side by side)")
-    p.add_argument("--budget", help="peak activation budget, bytes or e.g. '512MiB'")
+    p.add_argument(
+        "--budget",
+        help="peak activation budget, bytes, e.g. '512MiB', or '50%%' of the unplanned peak",
+    )
     p.add_argument("--batch", type=int, help="batch size when SOURCE is a model")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", type=Path, help="write the plan (with --method) as JSON here")

@@ -311,14 +311,9 @@ class Graph:
     @classmethod
     def from_json(cls, text: str) -> Graph:
         """Read a graph written by :meth:`to_json` (checks the schema and its version)."""
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema") != "remat.graph":
-            raise ValueError("not a remat graph: the JSON has no 'schema': 'remat.graph'")
-        if data.get("version") != GRAPH_SCHEMA_VERSION:
-            raise ValueError(
-                f"graph schema version {data.get('version')} is not supported "
-                f"(this remat reads version {GRAPH_SCHEMA_VERSION})"
-            )
+        from remat.plans import read_schema
+
+        data = read_schema(text, "remat.graph", GRAPH_SCHEMA_VERSION, "remat graph", ValueError)
         known = {f.name for f in fields(Node)}
         nodes = tuple(Node(**{k: v for k, v in obj.items() if k in known}) for obj in data["nodes"])
         return cls(

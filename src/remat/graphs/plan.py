@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from remat.plans import Plan, PlanError, Segment
+from remat.plans import Plan, PlanError, Segment, read_schema
 
 if TYPE_CHECKING:
     from remat.graphs.graph import Graph
@@ -338,14 +338,9 @@ class GraphPlan:
     @classmethod
     def from_json(cls, text: str) -> GraphPlan:
         """Read a plan written by :meth:`to_json` (checks the schema and its version)."""
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema") != "remat.graph_plan":
-            raise GraphPlanError("not a remat graph plan: no 'schema': 'remat.graph_plan'")
-        if data.get("version") != GRAPH_PLAN_SCHEMA_VERSION:
-            raise GraphPlanError(
-                f"graph plan schema version {data.get('version')} is not supported "
-                f"(this remat reads version {GRAPH_PLAN_SCHEMA_VERSION})"
-            )
+        data = read_schema(
+            text, "remat.graph_plan", GRAPH_PLAN_SCHEMA_VERSION, "remat graph plan", GraphPlanError
+        )
         return cls(
             segments=tuple(GraphSegment.from_obj(s) for s in data.get("segments", [])),
             method=data.get("method", "manual"),

@@ -30,7 +30,7 @@ from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan
 from remat.graphs.simulate import simulate_graph
 from remat.planners import BudgetTooSmallError
-from remat.units import parse_bytes
+from remat.units import resolve_budget
 
 __all__ = [
     "plan_graph",
@@ -88,8 +88,9 @@ def plan_graph(
 ) -> GraphPlan:
     """Plan ``graph`` with the graph planner ``method`` under a peak-memory ``budget``.
 
-    ``budget`` is the peak that :func:`remat.graphs.simulate_graph` predicts (bytes, or a
-    string such as ``"512MiB"``); ``None`` lets the planner pick its default. ``options`` go to
+    ``budget`` is the peak that :func:`remat.graphs.simulate_graph` predicts (bytes, a string
+    such as ``"512MiB"``, or a percentage of the unplanned peak such as ``"50%"``:
+    :func:`remat.units.resolve_budget`); ``None`` lets the planner pick its default. ``options`` go to
     the planner (e.g. ``time_limit_s=10`` for ``checkmate-milp``). The returned plan carries its
     simulated peak and time and the graph's fingerprint. Raises
     :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
@@ -100,7 +101,13 @@ def plan_graph(
     >>> p.method, p.predicted_peak_bytes
     ('none', 20)
     """
-    budget_bytes = None if budget is None else parse_bytes(budget)
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = resolve_budget(
+            budget,
+            lambda: simulate_graph(graph, GraphPlan.none()).peak_bytes,
+            "the unplanned peak",
+        )
     result = get_graph_planner(method)(graph, budget_bytes, **options).for_graph(graph)
     sim = simulate_graph(graph, result)
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:

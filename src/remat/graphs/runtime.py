@@ -73,8 +73,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.graphs.capture import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
-from remat.profile import LossFn, default_loss_fn, loss_from_output
-from remat.runtime import SignatureMismatchError, _describe_signature, input_signature
+from remat.profile import LossFn, default_loss_fn
+from remat.runtime import SignaturePlans, call_loss, input_signature
 from remat.stages import check_no_own_checkpointing
 
 __all__ = ["apply_graph", "GraphPlannedModule", "GraphExecutionError", "executed_plan"]
@@ -92,6 +92,7 @@ def apply_graph(
     loss_fn: LossFn | None = None,
     *,
     fake_trace: bool = True,
+    replan: Callable[..., tuple[GraphPlan, Graph]] | None = None,
 ) -> GraphPlannedModule:
     """Wrap ``model`` so that its training steps run under the graph plan ``plan``.
 
@@ -103,8 +104,14 @@ def apply_graph(
         batch, loss_fn: what ``graph`` was captured with; the model is traced again on them
             (under fake tensors, nothing allocated) to number its calls. Without ``batch`` the
             first training call is traced with :func:`remat.profile.loss_from_output` as the
-            loss.
+            loss. The model's arguments in ``batch`` (what ``loss_fn`` calls it with) are the
+            input signature the plan is for: a training call with other shapes re-plans
+            through ``replan`` or raises :class:`remat.runtime.SignatureMismatchError`.
         fake_trace: trace under ``FakeTensorMode`` (default) or with real tensors.
+        replan: ``replan(*args, **kwargs) -> (plan, graph)``, called with the model's
+            arguments for a new input signature: a plan and the graph it was made for, traced
+            on ``((args, kwargs), remat.runtime.call_loss)``; cached per signature
+            (:class:`remat.runtime.SignaturePlans`, as :func:`remat.apply` does).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -114,9 +121,14 @@ def apply_graph(
         raise TypeError(f"plan must be a GraphPlan, got {type(plan).__name__}")
     check_no_own_checkpointing(model)
     plan.for_graph(graph)
-    module = GraphPlannedModule(model, plan, graph, fake_trace)
+    module = GraphPlannedModule(model, plan, graph, fake_trace, replan)
     if batch is not None:
-        module._prepare(batch, loss_fn or default_loss_fn)
+        from remat.capture import _model_arguments
+
+        loss_fn = loss_fn or default_loss_fn
+        args, kwargs = _model_arguments(model, loss_fn, batch)
+        program = module._prepare(plan, graph, batch, loss_fn)
+        module._plans.set(input_signature(*args, **kwargs), _Planned(plan, graph, program))
     return module
 
 
@@ -147,19 +159,53 @@ class GraphPlannedModule(nn.Module):
     The plan is used only in training mode with grad enabled; otherwise the model runs as is.
     """
 
-    def __init__(self, model: nn.Module, plan: GraphPlan, graph: Graph, fake_trace: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: GraphPlan,
+        graph: Graph,
+        fake_trace: bool,
+        replan: Callable[..., tuple[GraphPlan, Graph]] | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
-        object.__setattr__(self, "_plan", plan)
-        object.__setattr__(self, "_graph", graph)
         object.__setattr__(self, "_fake_trace", fake_trace)
-        object.__setattr__(self, "_program", None)
-        object.__setattr__(self, "_signature", None)
+        plans = SignaturePlans(
+            _Planned(plan, graph, None),
+            None,
+            replan,
+            self._build,
+            "Capture and plan the graph for these inputs and call apply_graph again, or pass "
+            "replan=callable (called with the new inputs, returning (plan, graph)).",
+        )
+        object.__setattr__(self, "_plans", plans)
+
+    @property
+    def _plan(self) -> GraphPlan:
+        return self._plans.current.plan
+
+    @property
+    def _graph(self) -> Graph:
+        return self._plans.current.graph
+
+    @property
+    def _program(self) -> _Program | None:
+        return self._plans.current.program
 
     @property
     def plan(self) -> GraphPlan:
-        """The plan as given."""
+        """The plan as given (for the last training input signature)."""
         return self._plan
+
+    @property
+    def graph(self) -> Graph:
+        """The graph the plan in use was made for."""
+        return self._graph
+
+    @property
+    def signature(self) -> tuple | None:
+        """Input signature the current plan was made for (None: not known yet)."""
+        return self._plans.signature
 
     @property
     def executed_plan(self) -> GraphPlan:
@@ -183,22 +229,10 @@ class GraphPlannedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        sig = input_signature(*args, **kwargs)
-        if self._program is None:
-
-            def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-                return loss_from_output(model(*batch[0], **batch[1]))
-
-            self._prepare((args, kwargs), loss_fn)
-        if self._signature is None:
-            object.__setattr__(self, "_signature", sig)
-        elif sig != self._signature:
-            raise SignatureMismatchError(
-                f"this graph plan was made for inputs {_describe_signature(self._signature)} "
-                f"but the model was called with {_describe_signature(sig)}; capture and plan "
-                "the graph for these inputs and call apply_graph again"
-            )
-        program = self._program
+        planned = self._plans.lookup(args, kwargs)
+        if planned.program is None:  # no batch given: trace the first training call
+            planned.program = self._prepare(planned.plan, planned.graph, (args, kwargs), call_loss)
+        program = planned.program
         run = _Run(program)
         with run:
             out = self.model(*args, **kwargs)
@@ -209,7 +243,17 @@ class GraphPlannedModule(nn.Module):
             )
         return out
 
-    def _prepare(self, batch: Any, loss_fn: LossFn) -> None:
+    def _build(self, result: tuple[GraphPlan, Graph], args: tuple, kwargs: dict) -> _Planned:
+        """A re-plan's ``(plan, graph)`` for the call ``(args, kwargs)``, traced on it."""
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"replan must return (GraphPlan, Graph), got {type(result).__name__}")
+        plan, graph = result
+        if not isinstance(plan, GraphPlan):
+            raise TypeError(f"replan must return (GraphPlan, Graph), got a {type(plan).__name__}")
+        plan.for_graph(graph)
+        return _Planned(plan, graph, self._prepare(plan, graph, (args, kwargs), call_loss))
+
+    def _prepare(self, plan: GraphPlan, graph: Graph, batch: Any, loss_fn: LossFn) -> _Program:
         try:
             traces = trace_levels(self.model, batch, loss_fn, fake=self._fake_trace, costs=False)
         except Exception as err:  # noqa: BLE001 - fall back to a real trace, then fail clearly
@@ -219,9 +263,8 @@ class GraphPlannedModule(nn.Module):
                 traces = trace_levels(self.model, batch, loss_fn, fake=False, costs=False)
             except Exception:
                 raise err from None
-        trace = _match(self._graph, traces)
-        plan = executed_plan(self._plan, trace.node_inside)
-        object.__setattr__(self, "_program", _Program.build(trace, plan, self.model))
+        trace = _match(graph, traces)
+        return _Program.build(trace, executed_plan(plan, trace.node_inside), self.model)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -236,6 +279,15 @@ class GraphPlannedModule(nn.Module):
 
 
 # ---------------------------------------------------------------------- implementation
+@dataclass
+class _Planned:
+    """A graph plan, its graph, and the traced program that runs it (None until traced)."""
+
+    plan: GraphPlan
+    graph: Graph
+    program: _Program | None
+
+
 def _structure(graph: Graph) -> list[tuple[Any, ...]]:
     return [(n.name, n.inputs, n.out_bytes, n.saved_bytes) for n in graph.nodes]
 
