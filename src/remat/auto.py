@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from remat.costs import Chain
+from remat.errors import UnsupportedModelError
+from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.stages import UnsupportedModelError, check_no_own_checkpointing
 from remat.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -599,7 +600,6 @@ def auto(
     with the least memory whose time overhead stays at most one extra forward.
     """
     from remat.capture import capture
-    from remat.distributed import check_not_wrapped
     from remat.profile import optimizer_costs
     from remat.runtime import apply
 

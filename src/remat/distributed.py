@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.guards import ORDER_HELP, WrapOrderError, check_not_wrapped
 from remat.plans import Plan, PlanError
 from remat.units import format_bytes
 
@@ -66,42 +67,9 @@ __all__ = [
     "auto_distributed",
 ]
 
-ORDER_HELP = (
-    "Apply remat to the bare model first, then wrap: planned = remat.apply(model, plan) (or "
-    "remat.distributed.auto_distributed(model, batch, budget=...)); then "
-    "DistributedDataParallel(planned), or for FSDP2 "
-    "remat.distributed.fully_shard_planned(planned) (fully_shard on each block, then the "
-    "root); then build the optimizer on the wrapped model's parameters."
-)
-
-
-class WrapOrderError(TypeError):
-    """remat was given a model already wrapped for data parallelism (the message says the order)."""
-
 
 class PlanMismatchError(PlanError):
     """Ranks hold different plans, or cut the model into different stages."""
-
-
-# ---------------------------------------------------------------------- order checks
-def check_not_wrapped(model: nn.Module, what: str = "remat") -> None:
-    """Raise :class:`WrapOrderError` if ``model`` is already DDP-, DP- or FSDP-wrapped/sharded.
-
-    remat must see the bare model; wrap the planned model afterwards (:data:`ORDER_HELP`).
-    """
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    wrapper = None
-    if isinstance(model, DistributedDataParallel | DataParallel):
-        wrapper = type(model).__name__
-    elif isinstance(model, FullyShardedDataParallel):
-        wrapper = "FullyShardedDataParallel (FSDP1)"
-    elif isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
-        wrapper = "fully_shard (FSDP2; its parameters are sharded DTensors)"
-    if wrapper is not None:
-        raise WrapOrderError(f"{what} was given a model already wrapped by {wrapper}. {ORDER_HELP}")
 
 
 # ---------------------------------------------------------------------- one plan for all ranks

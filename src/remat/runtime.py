@@ -38,14 +38,9 @@ from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.plans import Plan, PlanError, Segment
-from remat.stages import (
-    Stages,
-    StageWatch,
-    _run_plain,
-    check_no_own_checkpointing,
-    split_stages,
-)
+from remat.stages import Stages, StageWatch, _run_plain, split_stages
 
 __all__ = ["apply", "PlannedModule", "SignatureMismatchError", "input_signature"]
 
@@ -412,8 +407,6 @@ def apply(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, PlannedModule):
         raise TypeError("this model already has a plan; apply it to planned.model instead")
-    from remat.distributed import check_not_wrapped
-
     check_not_wrapped(model, "remat.apply")  # DDP/FSDP go around the planned model, not inside
     check_no_own_checkpointing(model)
     if stages is None or not isinstance(stages, Stages):
