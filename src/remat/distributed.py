@@ -428,7 +428,7 @@ def auto_distributed(
     _require_initialized("auto_distributed")
     check_not_wrapped(model, "auto_distributed")
 
-    from remat.auto import AutoSummary, plan_for_total_budget
+    from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
     from remat.capture import capture
     from remat.costs import Chain
     from remat.profile import optimizer_costs
@@ -469,6 +469,7 @@ def auto_distributed(
                     "plan": chosen.to_json(),
                     "chain": chain.to_json(),
                     "names": list(captured.stages.names),
+                    "optimizer_step_bytes": step_bytes,
                 }
             ]
         except Exception as err:  # every rank must learn why, or the others would hang
@@ -490,7 +491,17 @@ def auto_distributed(
     check_same_plan(planned, group=group)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
-    summary = AutoSummary.of(method, chosen, chain, budget, fixed_bytes, sim, none)
+    # the whole step as the planner read the budget: every gradient in fixed_bytes from the
+    # start (none made by the backward), then rank src's optimizer step
+    step_bytes = int(message["optimizer_step_bytes"])
+    no_grads_made = [0] * chain.n
+    predicted, unplanned = (
+        total_peak_bytes(chain, p, fixed_bytes, no_grads_made, optimizer_step_bytes=step_bytes)
+        for p in (chosen, Plan.none(chain))
+    )
+    summary = AutoSummary.of(
+        method, chosen, chain, budget, fixed_bytes, sim, none, predicted, unplanned
+    )
     return planned, summary
 
 
