@@ -267,11 +267,18 @@ def budget_check(rank: int, how: str) -> None:
     planned, summary = remat.distributed.auto_distributed(
         model, batch, loss_fn, budget=budget, fsdp=fsdp
     )
-    assert summary.predicted_peak_bytes <= budget
+    predicted, predicted_unplanned = summary.predicted_peak_bytes, summary.unplanned_peak_bytes
+    assert 0 < predicted <= budget < predicted_unplanned, (predicted, budget, predicted_unplanned)
     assert any(seg.checkpoint for seg in summary.plan.segments), summary.plan.describe()
     check_same_plan(planned)
     peak = _measured_peak(_wrap(planned, how), batch, loss_fn)
-    assert peak <= budget < unplanned_peak, (how, rank, peak, budget, unplanned_peak)
+    numbers = (how, rank, peak, predicted, budget, unplanned_peak, predicted_unplanned)
+    assert peak <= budget < unplanned_peak, numbers
+    # the planner's safe reading (every gradient live from the start, FSDP2's working set an
+    # estimate) bounds what runs, and not by much: measured 7% (DDP) and 12% (FSDP2) below the
+    # planned prediction, 10% below the unplanned one
+    assert peak <= predicted <= 1.2 * peak, numbers
+    assert unplanned_peak <= predicted_unplanned <= 1.2 * unplanned_peak, numbers
 
 
 # ---------------------------------------------------------------------- DDP

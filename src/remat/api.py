@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from remat.costs import Chain
-from remat.planners import BudgetTooSmallError, available, get_planner
+from remat.planners import BudgetTooSmallError, available, plan_chain
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.units import resolve_budget
 
 __all__ = ["plan", "pareto", "ParetoPoint", "compare", "Comparison"]
 
@@ -30,34 +29,13 @@ def plan(
     ('chen-sqrt', True)
     """
     if not isinstance(chain, Chain):
-        from remat.graphs import Graph, plan_graph
+        from remat.graphs.graph import Graph
+        from remat.graphs.planners import plan_graph
 
         if isinstance(chain, Graph):  # the graph planners: reforward, checkmate-milp, ...
             return plan_graph(chain, method, budget)  # type: ignore[return-value]
         raise TypeError(f"plan takes a Chain or a Graph, got {type(chain).__name__}")
-    budget_bytes = None
-    if budget is not None:
-        budget_bytes = resolve_budget(
-            budget,
-            lambda: simulate(chain, Plan.none(chain)).peak_bytes,
-            "the unplanned activation peak",
-        )
-    result = get_planner(method)(chain, budget_bytes).for_chain(chain)
-    sim = simulate(chain, result)
-    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
-        raise BudgetTooSmallError(
-            budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
-        )
-    params = dict(result.params)
-    if budget_bytes is not None:
-        params.setdefault("budget_bytes", budget_bytes)
-    return replace(
-        result,
-        method=method,
-        params=params,
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_time=sim.total_time,
-    ).made_for(chain)
+    return plan_chain(chain, method, budget)
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ import torch
 from torch import nn
 
 from remat.costs import Chain
+from remat.errors import UnsupportedModelError
+from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.stages import UnsupportedModelError, check_no_own_checkpointing
 from remat.units import format_bytes, parse_bytes, resolve_budget
 
 if TYPE_CHECKING:
@@ -700,7 +701,6 @@ def auto(
     the minimum for that shape.
     """
     from remat.capture import _model_arguments, capture
-    from remat.distributed import check_not_wrapped
     from remat.profile import default_loss_fn, optimizer_costs
     from remat.runtime import apply, call_loss
 

@@ -229,7 +229,7 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> Chain:
         """Read a chain written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.plans import read_schema
+        from remat.schema import read_schema
 
         data = read_schema(text, "remat.chain", CHAIN_SCHEMA_VERSION, "remat chain", ValueError)
         return cls._from_dict(data)

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.guards import ORDER_HELP, WrapOrderError, check_not_wrapped
 from remat.plans import Plan, PlanError
 from remat.units import format_bytes
 
@@ -66,42 +67,9 @@ __all__ = [
     "auto_distributed",
 ]
 
-ORDER_HELP = (
-    "Apply remat to the bare model first, then wrap: planned = remat.apply(model, plan) (or "
-    "remat.distributed.auto_distributed(model, batch, budget=...)); then "
-    "DistributedDataParallel(planned), or for FSDP2 "
-    "remat.distributed.fully_shard_planned(planned) (fully_shard on each block, then the "
-    "root); then build the optimizer on the wrapped model's parameters."
-)
-
-
-class WrapOrderError(TypeError):
-    """remat was given a model already wrapped for data parallelism (the message says the order)."""
-
 
 class PlanMismatchError(PlanError):
     """Ranks hold different plans, or cut the model into different stages."""
-
-
-# ---------------------------------------------------------------------- order checks
-def check_not_wrapped(model: nn.Module, what: str = "remat") -> None:
-    """Raise :class:`WrapOrderError` if ``model`` is already DDP-, DP- or FSDP-wrapped/sharded.
-
-    remat must see the bare model; wrap the planned model afterwards (:data:`ORDER_HELP`).
-    """
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    wrapper = None
-    if isinstance(model, DistributedDataParallel | DataParallel):
-        wrapper = type(model).__name__
-    elif isinstance(model, FullyShardedDataParallel):
-        wrapper = "FullyShardedDataParallel (FSDP1)"
-    elif isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
-        wrapper = "fully_shard (FSDP2; its parameters are sharded DTensors)"
-    if wrapper is not None:
-        raise WrapOrderError(f"{what} was given a model already wrapped by {wrapper}. {ORDER_HELP}")
 
 
 # ---------------------------------------------------------------------- one plan for all ranks
@@ -460,7 +428,7 @@ def auto_distributed(
     _require_initialized("auto_distributed")
     check_not_wrapped(model, "auto_distributed")
 
-    from remat.auto import AutoSummary, plan_for_total_budget
+    from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
     from remat.capture import _model_arguments, capture
     from remat.costs import Chain
     from remat.profile import default_loss_fn, optimizer_costs
@@ -501,6 +469,7 @@ def auto_distributed(
                     "plan": chosen.to_json(),
                     "chain": chain.to_json(),
                     "names": list(captured.stages.names),
+                    "optimizer_step_bytes": step_bytes,
                 }
             ]
         except Exception as err:  # every rank must learn why, or the others would hang
@@ -525,7 +494,17 @@ def auto_distributed(
     check_same_plan(planned, group=group)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
-    summary = AutoSummary.of(method, chosen, chain, budget, fixed_bytes, sim, none)
+    # the whole step as the planner read the budget: every gradient in fixed_bytes from the
+    # start (none made by the backward), then rank src's optimizer step
+    step_bytes = int(message["optimizer_step_bytes"])
+    no_grads_made = [0] * chain.n
+    predicted, unplanned = (
+        total_peak_bytes(chain, p, fixed_bytes, no_grads_made, optimizer_step_bytes=step_bytes)
+        for p in (chosen, Plan.none(chain))
+    )
+    summary = AutoSummary.of(
+        method, chosen, chain, budget, fixed_bytes, sim, none, predicted, unplanned
+    )
     return planned, summary
 
 

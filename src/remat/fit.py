@@ -81,6 +81,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
+from remat.guards import check_not_wrapped
 from remat.planners import BudgetTooSmallError
 from remat.plans import Plan
 from remat.units import format_bytes, format_time, resolve_budget
@@ -467,7 +468,6 @@ def fit(
     Raises:
         FitBudgetError: no combination fits; it names the smallest budget one reaches.
     """
-    from remat.distributed import check_not_wrapped
     from remat.runtime import PlannedModule
 
     if isinstance(model, PlannedModule):

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from remat.schema import read_schema
+
 if TYPE_CHECKING:
     from remat.costs import Chain
 
@@ -312,29 +314,6 @@ class Plan:
             chain_fingerprint=data.get("chain_fingerprint"),
             stages_fingerprint=data.get("stages_fingerprint"),  # absent in older files
         )
-
-
-def read_schema(
-    text: str, schema: str, version: int, what: str, error: type[Exception] = PlanError
-) -> dict[str, Any]:
-    """The JSON object of a remat file (plan, graph plan, chain, graph, memory report) whose
-    ``schema`` is ``schema`` and whose ``version`` is the integer ``version``; anything else
-    raises ``error`` saying what the file holds (``what``: e.g. ``"remat plan"``)."""
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise error(f"not a {what}: the text is not valid JSON ({err})") from None
-    if not isinstance(data, dict) or data.get("schema") != schema:
-        raise error(f"not a {what}: the JSON has no 'schema': '{schema}'")
-    found = data.get("version")
-    if type(found) is not int or found != version:
-        kind = "" if type(found) is int else f" (a {type(found).__name__}, not an integer)"
-        raise error(
-            f"{what} schema version {found!r}{kind} is not supported: this remat reads "
-            f"version {version} (the integer {version}); write the file again with this "
-            "remat's to_json, or read it with the remat version that wrote it"
-        )
-    return data
 
 
 def _n(chain: Chain | int) -> int:

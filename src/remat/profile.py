@@ -72,6 +72,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from remat.units import format_bytes
+
 __all__ = [
     "CATEGORIES",
     "MemoryReport",
@@ -83,6 +85,7 @@ __all__ = [
     "fake_step",
     "optimizer_costs",
     "MEMORY_REPORT_SCHEMA_VERSION",
+    "format_memory_report",
 ]
 
 MEMORY_REPORT_SCHEMA_VERSION = 1
@@ -240,8 +243,6 @@ class MemoryReport:
 
     def table(self) -> str:
         """The breakdown as a text table (bytes through :func:`remat.units.format_bytes`)."""
-        from remat.report import format_memory_report
-
         return format_memory_report(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -269,7 +270,7 @@ class MemoryReport:
     @classmethod
     def from_json(cls, text: str) -> MemoryReport:
         """Read a report written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.plans import read_schema
+        from remat.schema import read_schema
 
         data = read_schema(
             text,
@@ -283,6 +284,49 @@ class MemoryReport:
         data["module_peaks"] = {k: tuple(v) for k, v in data.get("module_peaks", {}).items()}
         data["timeline"] = tuple(tuple(p) for p in data.get("timeline", []))
         return cls(**data)
+
+
+_CATEGORY_HELP = {
+    "parameters": "model weights",
+    "buffers": "batch-norm statistics and other buffers",
+    "gradients": "parameter gradients",
+    "optimizer": "optimizer state (e.g. Adam moments)",
+    "activations": "batch, saved tensors and outputs of the forward",
+    "temporaries": "activation gradients and transient buffers",
+}
+
+
+def format_memory_report(report: MemoryReport) -> str:
+    """The category breakdown at the peak, then the activation peak and the CUDA figure."""
+    mode = "fake tensors" if report.fake else report.device
+    lines = [
+        f"memory of one training step: {report.model_name or 'model'} on {mode}"
+        + (f" (after {report.warmup_steps} warm-up step)" if report.warmup_steps else ""),
+        f"{'category':<12} {'bytes':>12} {'share':>7}  what",
+    ]
+    for key in CATEGORIES:
+        value = report.categories[key]
+        share = value / report.peak_bytes if report.peak_bytes else 0.0
+        lines.append(f"{key:<12} {format_bytes(value):>12} {share:>7.1%}  {_CATEGORY_HELP[key]}")
+    lines.append(
+        f"{'peak':<12} {format_bytes(report.peak_bytes):>12} {1:>7.0%}  at {report.peak_label}"
+    )
+    lines.append(
+        f"activation peak (forward + backward, no parameter state): "
+        f"{format_bytes(report.activation_peak_bytes)}"
+    )
+    lines.append(f"live at the step's start: {format_bytes(report.start_bytes)}")
+    if report.cuda_max_allocated_bytes is not None:
+        lines.append(
+            f"torch.cuda.max_memory_allocated: {format_bytes(report.cuda_max_allocated_bytes)}"
+        )
+    if report.allocator_peak_bytes is not None:
+        lines.append(
+            f"allocator peak: {format_bytes(report.allocator_peak_bytes)} (includes "
+            f"{format_bytes(report.scratch_bytes or 0)} of kernel scratch memory that is not a "
+            "tensor)"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -1,6 +1,8 @@
 """Presentation of measurements: text tables and PNG plots (matplotlib, imported lazily).
 
-* :func:`format_memory_report`: a :class:`~remat.profile.MemoryReport` as a breakdown table;
+* :func:`format_memory_report`: a :class:`~remat.profile.MemoryReport` as a breakdown table
+  (defined in :mod:`remat.profile` next to :meth:`~remat.profile.MemoryReport.table`, which
+  uses it: the measuring layer does not import this one);
 * :func:`format_module_peaks`: the modules with the highest peaks;
 * :func:`format_chain`: a captured :class:`~remat.costs.Chain`, one row per stage;
 * :func:`plot_profile`: breakdown bar + memory timeline, written as a PNG.
@@ -13,22 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from remat.profile import CATEGORIES, MemoryReport, format_memory_report
 from remat.units import format_bytes, format_time
 
 if TYPE_CHECKING:
     from remat.costs import Chain
-    from remat.profile import MemoryReport
 
 __all__ = ["format_memory_report", "format_module_peaks", "format_chain", "plot_profile"]
 
-_CATEGORY_HELP = {
-    "parameters": "model weights",
-    "buffers": "batch-norm statistics and other buffers",
-    "gradients": "parameter gradients",
-    "optimizer": "optimizer state (e.g. Adam moments)",
-    "activations": "batch, saved tensors and outputs of the forward",
-    "temporaries": "activation gradients and transient buffers",
-}
 _COLOURS = {
     "parameters": "#4c72b0",
     "buffers": "#8172b2",
@@ -37,41 +31,6 @@ _COLOURS = {
     "activations": "#55a868",
     "temporaries": "#c44e52",
 }
-
-
-def format_memory_report(report: MemoryReport) -> str:
-    """The category breakdown at the peak, then the activation peak and the CUDA figure."""
-    from remat.profile import CATEGORIES
-
-    mode = "fake tensors" if report.fake else report.device
-    lines = [
-        f"memory of one training step: {report.model_name or 'model'} on {mode}"
-        + (f" (after {report.warmup_steps} warm-up step)" if report.warmup_steps else ""),
-        f"{'category':<12} {'bytes':>12} {'share':>7}  what",
-    ]
-    for key in CATEGORIES:
-        value = report.categories[key]
-        share = value / report.peak_bytes if report.peak_bytes else 0.0
-        lines.append(f"{key:<12} {format_bytes(value):>12} {share:>7.1%}  {_CATEGORY_HELP[key]}")
-    lines.append(
-        f"{'peak':<12} {format_bytes(report.peak_bytes):>12} {1:>7.0%}  at {report.peak_label}"
-    )
-    lines.append(
-        f"activation peak (forward + backward, no parameter state): "
-        f"{format_bytes(report.activation_peak_bytes)}"
-    )
-    lines.append(f"live at the step's start: {format_bytes(report.start_bytes)}")
-    if report.cuda_max_allocated_bytes is not None:
-        lines.append(
-            f"torch.cuda.max_memory_allocated: {format_bytes(report.cuda_max_allocated_bytes)}"
-        )
-    if report.allocator_peak_bytes is not None:
-        lines.append(
-            f"allocator peak: {format_bytes(report.allocator_peak_bytes)} (includes "
-            f"{format_bytes(report.scratch_bytes or 0)} of kernel scratch memory that is not a "
-            "tensor)"
-        )
-    return "\n".join(lines)
 
 
 def format_module_peaks(report: MemoryReport, depth: int = 1, top: int = 10) -> str:
@@ -133,8 +92,6 @@ def plot_profile(report: MemoryReport, path: str | Path, title: str | None = Non
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover
         raise ImportError("plots need matplotlib: pip install 'remat[plot]'") from err
-    from remat.profile import CATEGORIES
-
     path = Path(path)
     mib = 2**20
     fig, (bar_ax, line_ax) = plt.subplots(

@@ -38,14 +38,15 @@ from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.plans import Plan, PlanError, Segment
-from remat.stages import (
-    Stages,
-    StageWatch,
-    _run_plain,
+from remat.guards import (
+    InPlaceInputError,
+    _versions,
     check_no_own_checkpointing,
-    split_stages,
+    check_not_wrapped,
+    in_place_input_error,
 )
+from remat.plans import Plan, PlanError, Segment
+from remat.stages import Stages, StageWatch, _run_plain, split_stages
 
 __all__ = [
     "apply",
@@ -60,32 +61,6 @@ __all__ = [
 
 class SignatureMismatchError(ValueError):
     """The model was called with inputs of other shapes/dtypes than the plan was made for."""
-
-
-class InPlaceInputError(ValueError):
-    """A stage writes into the tensor it receives: a checkpointed segment cannot start at it."""
-
-
-def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
-    """The error for stage ``stage`` (1-based) writing into its input (capture and executor)."""
-    return InPlaceInputError(
-        f"stage {stage} ({name}) writes into its input in place (an in-place operation such as "
-        "x.add_(1) or x.mul_(2) on the tensor it receives): a checkpointed segment starting at "
-        "this stage could not be recomputed, because its input no longer holds the value the "
-        "segment read. Make the operation out of place (x = x + 1), or join the stage with the "
-        "one before it (stages=[..., 'previous+this', ...]) so that the write stays inside one "
-        "stage"
-    )
-
-
-def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    out = []
-    for t in tensors:
-        try:
-            out.append(int(t._version))
-        except RuntimeError:  # inference tensors have no version counter
-            out.append(0)
-    return out
 
 
 # The checkpoint function the executor calls (a module attribute so tests can count calls).
@@ -511,8 +486,6 @@ def apply(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, PlannedModule):
         raise TypeError("this model already has a plan; apply it to planned.model instead")
-    from remat.distributed import check_not_wrapped
-
     check_not_wrapped(model, "remat.apply")  # DDP/FSDP go around the planned model, not inside
     check_no_own_checkpointing(model)
     if stages is None or not isinstance(stages, Stages):

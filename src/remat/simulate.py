@@ -33,13 +33,19 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from remat.costs import Chain
 from remat.plans import Plan, Segment
 
-__all__ = ["simulate", "Simulation", "Event"]
+__all__ = ["simulate", "Simulation", "Event", "register_simulator"]
+
+# Cost models other than Chain that simulate() accepts: (type, its simulator). remat.graphs
+# registers Graph -> simulate_graph when it is imported (which any Graph's existence implies),
+# so that this module, below the graph planners, does not import the graphs package.
+_SIMULATORS: list[tuple[type, Callable[[Any, Any], Any]]] = []
 
 
 @dataclass(frozen=True)
@@ -93,16 +99,26 @@ def simulate(chain: Chain, plan: Plan) -> Simulation:
     """Simulate one training step of ``chain`` under ``plan`` (see the module docstring).
 
     Given a :class:`remat.graphs.Graph` and a :class:`remat.graphs.GraphPlan` instead, it runs
-    :func:`remat.graphs.simulate_graph` (same idea on a DAG).
+    :func:`remat.graphs.simulate_graph` (same idea on a DAG; registered with
+    :func:`register_simulator`).
     """
     if not isinstance(chain, Chain):
-        from remat.graphs import Graph, simulate_graph
-
-        if isinstance(chain, Graph):
-            return simulate_graph(chain, plan)  # type: ignore[arg-type, return-value]
+        for kind, simulator in _SIMULATORS:
+            if isinstance(chain, kind):
+                return simulator(chain, plan)
         raise TypeError(f"simulate takes a Chain or a Graph, got {type(chain).__name__}")
     plan = plan.for_chain(chain)
     return _Simulator(chain).run(plan.segments)
+
+
+def register_simulator(kind: type, simulator: Callable[[Any, Any], Any]) -> None:
+    """Make :func:`simulate` run ``simulator(model, plan)`` for a cost model of type ``kind``.
+
+    :mod:`remat.graphs.simulate` registers :class:`~remat.graphs.Graph`; the dependency points
+    from the graph simulator to this module, never back.
+    """
+    if not any(k is kind for k, _ in _SIMULATORS):
+        _SIMULATORS.append((kind, simulator))
 
 
 class _Simulator:

@@ -58,6 +58,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import UnsupportedModelError
+from remat.guards import check_no_own_checkpointing
+
 __all__ = [
     "Stages",
     "split_stages",
@@ -79,10 +82,6 @@ SUPPORTED_HELP = (
     "one stage with '+', e.g. 'conv1+bn1+relu'. The composition is checked against the model "
     "on the first call."
 )
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot be cut into stages automatically (the message says what to do)."""
 
 
 class StageMismatchError(UnsupportedModelError):
@@ -180,25 +179,6 @@ def split_stages(model: nn.Module, stages: Sequence[str] | None = None) -> Stage
         f"remat does not know how to cut a {type(model).__module__}.{type(model).__qualname__} "
         f"into stages. {SUPPORTED_HELP}"
     )
-
-
-def check_no_own_checkpointing(model: nn.Module) -> None:
-    """Refuse a model with Hugging Face's own gradient checkpointing enabled (any submodule with
-    ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()`` sets).
-
-    Called by every entry point that plans or runs a model (chain capture and
-    :func:`split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph path's
-    ``trace_graph`` and ``apply_graph``): its checkpoints would run inside remat's plan, so
-    the memory and time remat predicts would not be what runs.
-    """
-    for name, module in model.named_modules():
-        if getattr(module, "gradient_checkpointing", False) is True:
-            where = f"its submodule {name!r}" if name else "it"
-            raise UnsupportedModelError(
-                f"this {type(model).__name__} has its own (Hugging Face) gradient checkpointing "
-                f"enabled ({where} has gradient_checkpointing=True): disable it with "
-                "model.gradient_checkpointing_disable(); remat plans the checkpointing itself"
-            )
 
 
 # ---------------------------------------------------------------------- helpers

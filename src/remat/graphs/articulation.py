@@ -45,7 +45,7 @@ from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.graphs.planners import register_graph_planner
 from remat.graphs.simulate import simulate_graph
-from remat.planners import BudgetTooSmallError
+from remat.planners import BudgetTooSmallError, available, plan_chain
 from remat.plans import Plan, Segment
 
 __all__ = [
@@ -181,9 +181,6 @@ def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> GraphPlan:
 @register_graph_planner("articulation")
 def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
     """Cut points -> chain of blocks -> a chain planner -> graph plan (module docstring)."""
-    from remat.api import plan as plan_chain
-    from remat.planners import available
-
     config = ArticulationConfig(**options)
     chain, blocks = block_chain(graph, config.min_blocks)
     method = config.chain_method

@@ -91,9 +91,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
+from remat.guards import check_no_own_checkpointing
 from remat.measure import scratch_bytes
 from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
-from remat.stages import check_no_own_checkpointing
 
 __all__ = [
     "LEVELS",

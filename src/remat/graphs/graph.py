@@ -311,7 +311,7 @@ class Graph:
     @classmethod
     def from_json(cls, text: str) -> Graph:
         """Read a graph written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.plans import read_schema
+        from remat.schema import read_schema
 
         data = read_schema(text, "remat.graph", GRAPH_SCHEMA_VERSION, "remat graph", ValueError)
         known = {f.name for f in fields(Node)}

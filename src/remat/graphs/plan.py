@@ -33,7 +33,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from remat.plans import Plan, PlanError, Segment, read_schema
+from remat.plans import Plan, PlanError, Segment
+from remat.schema import read_schema
 
 if TYPE_CHECKING:
     from remat.graphs.graph import Graph

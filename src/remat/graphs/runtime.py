@@ -73,9 +73,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.graphs.capture import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
+from remat.guards import check_no_own_checkpointing
 from remat.profile import LossFn, default_loss_fn
 from remat.runtime import SignaturePlans, call_loss, input_signature
-from remat.stages import check_no_own_checkpointing
 
 __all__ = ["apply_graph", "GraphPlannedModule", "GraphExecutionError", "executed_plan"]
 

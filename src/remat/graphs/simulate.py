@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
+from remat.simulate import register_simulator
 
 __all__ = [
     "simulate_graph",
@@ -419,3 +420,6 @@ class _Lowering:
             ScheduleOp(op, node, rec, tuple(al), tuple(rd), tuple(sorted(f)), tr, t)
             for (op, node, rec, al, rd, tr, t), f in zip(self.ops, frees, strict=True)
         )
+
+
+register_simulator(Graph, simulate_graph)  # remat.simulate(graph, plan) runs simulate_graph

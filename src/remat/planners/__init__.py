@@ -3,8 +3,10 @@
 Every planner has the signature ``planner(chain: Chain, budget: int | None) -> Plan`` and is
 registered under a name with :func:`register`. ``budget`` is the peak activation memory in bytes
 that :func:`remat.simulate` must predict for the plan (``None``: the planner's own default).
-Planners never import torch. :func:`remat.plan` is the public entry point: it parses the budget,
-calls the planner, and stamps the plan with its simulated cost.
+Planners never import torch. :func:`plan_chain` runs one by name: it parses the budget, calls
+the planner, checks the plan against the budget and stamps it with its simulated cost;
+:func:`remat.plan` (the public entry point) calls it for a chain and
+:func:`remat.graphs.plan_graph` for a graph.
 
 Registered planners (name -> module):
 
@@ -25,11 +27,21 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import replace
 
 from remat.costs import Chain
 from remat.plans import Plan
+from remat.simulate import simulate
+from remat.units import format_bytes, resolve_budget
 
-__all__ = ["register", "get_planner", "available", "Planner", "BudgetTooSmallError"]
+__all__ = [
+    "register",
+    "get_planner",
+    "available",
+    "plan_chain",
+    "Planner",
+    "BudgetTooSmallError",
+]
 
 Planner = Callable[[Chain, "int | None"], Plan]
 
@@ -43,8 +55,6 @@ class BudgetTooSmallError(ValueError):
     def __init__(
         self, budget_bytes: int, minimum_bytes: int, method: str, detail: str = ""
     ) -> None:
-        from remat.units import format_bytes
-
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.method = method
@@ -94,3 +104,39 @@ def get_planner(name: str) -> Planner:
         raise ValueError(
             f"unknown planner {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
         ) from None
+
+
+def plan_chain(
+    chain: Chain, method: str = "optimal-time", budget: int | float | str | None = None
+) -> Plan:
+    """Plan ``chain`` with the planner registered as ``method`` under a peak-memory ``budget``.
+
+    ``budget`` is the peak activation memory that :func:`remat.simulate` predicts (bytes, or a
+    string such as ``"512MiB"``); ``None`` lets the planner pick its default. The returned plan
+    carries its simulated peak and time and the chain's fingerprint. Raises
+    :class:`BudgetTooSmallError` (naming the minimum) when the planner's plan does not fit.
+    What :func:`remat.plan` does for a chain (graph planners call it too, e.g. ``articulation``).
+    """
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = resolve_budget(
+            budget,
+            lambda: simulate(chain, Plan.none(chain)).peak_bytes,
+            "the unplanned activation peak",
+        )
+    result = get_planner(method)(chain, budget_bytes).for_chain(chain)
+    sim = simulate(chain, result)
+    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+        raise BudgetTooSmallError(
+            budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
+        )
+    params = dict(result.params)
+    if budget_bytes is not None:
+        params.setdefault("budget_bytes", budget_bytes)
+    return replace(
+        result,
+        method=method,
+        params=params,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time=sim.total_time,
+    ).made_for(chain)

@@ -1,0 +1,110 @@
+"""Checks every entry point that plans or runs a model makes first (torch side, low layer).
+
+* :func:`check_not_wrapped`: remat must see the bare model, not one already wrapped for data
+  parallelism (DDP, DataParallel, FSDP1, FSDP2): :class:`WrapOrderError` names the order that
+  works (:data:`ORDER_HELP`, ``docs/distributed.md``).
+* :func:`check_no_own_checkpointing`: a model with Hugging Face's own gradient checkpointing
+  enabled is refused (:class:`~remat.errors.UnsupportedModelError`).
+* :class:`InPlaceInputError` (:func:`in_place_input_error`): a stage that writes into its input
+  cannot start a checkpointed segment (the chain capture and the executor both check it).
+
+They live here, below the stage splitter, the executors, :func:`remat.auto`, :func:`remat.fit`
+and :mod:`remat.distributed`, so that all of them can call them without importing each other.
+Also importable from their former homes (``remat.distributed.check_not_wrapped``,
+``remat.stages.check_no_own_checkpointing``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from remat.errors import UnsupportedModelError
+
+__all__ = [
+    "InPlaceInputError",
+    "in_place_input_error",
+    "ORDER_HELP",
+    "WrapOrderError",
+    "check_not_wrapped",
+    "check_no_own_checkpointing",
+]
+
+ORDER_HELP = (
+    "Apply remat to the bare model first, then wrap: planned = remat.apply(model, plan) (or "
+    "remat.distributed.auto_distributed(model, batch, budget=...)); then "
+    "DistributedDataParallel(planned), or for FSDP2 "
+    "remat.distributed.fully_shard_planned(planned) (fully_shard on each block, then the "
+    "root); then build the optimizer on the wrapped model's parameters."
+)
+
+
+class WrapOrderError(TypeError):
+    """remat was given a model already wrapped for data parallelism (the message says the order)."""
+
+
+def check_not_wrapped(model: nn.Module, what: str = "remat") -> None:
+    """Raise :class:`WrapOrderError` if ``model`` is already DDP-, DP- or FSDP-wrapped/sharded.
+
+    remat must see the bare model; wrap the planned model afterwards (:data:`ORDER_HELP`).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    wrapper = None
+    if isinstance(model, DistributedDataParallel | DataParallel):
+        wrapper = type(model).__name__
+    elif isinstance(model, FullyShardedDataParallel):
+        wrapper = "FullyShardedDataParallel (FSDP1)"
+    elif isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
+        wrapper = "fully_shard (FSDP2; its parameters are sharded DTensors)"
+    if wrapper is not None:
+        raise WrapOrderError(f"{what} was given a model already wrapped by {wrapper}. {ORDER_HELP}")
+
+
+def check_no_own_checkpointing(model: nn.Module) -> None:
+    """Refuse a model with Hugging Face's own gradient checkpointing enabled (any submodule with
+    ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()`` sets).
+
+    Called by every entry point that plans or runs a model (chain capture and
+    :func:`~remat.stages.split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph
+    path's ``trace_graph`` and ``apply_graph``): its checkpoints would run inside remat's plan,
+    so the memory and time remat predicts would not be what runs.
+    """
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            where = f"its submodule {name!r}" if name else "it"
+            raise UnsupportedModelError(
+                f"this {type(model).__name__} has its own (Hugging Face) gradient checkpointing "
+                f"enabled ({where} has gradient_checkpointing=True): disable it with "
+                "model.gradient_checkpointing_disable(); remat plans the checkpointing itself"
+            )
+
+
+class InPlaceInputError(ValueError):
+    """A stage writes into the tensor it receives: a checkpointed segment cannot start at it."""
+
+
+def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
+    """The error for stage ``stage`` (1-based) writing into its input (capture and executor)."""
+    return InPlaceInputError(
+        f"stage {stage} ({name}) writes into its input in place (an in-place operation such as "
+        "x.add_(1) or x.mul_(2) on the tensor it receives): a checkpointed segment starting at "
+        "this stage could not be recomputed, because its input no longer holds the value the "
+        "segment read. Make the operation out of place (x = x + 1), or join the stage with the "
+        "one before it (stages=[..., 'previous+this', ...]) so that the write stays inside one "
+        "stage"
+    )
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    out = []
+    for t in tensors:
+        try:
+            out.append(int(t._version))
+        except RuntimeError:  # inference tensors have no version counter
+            out.append(0)
+    return out

@@ -1,0 +1,90 @@
+"""The dependency rule (docs/architecture.md, .importlinter): the pure core plans with torch
+blocked, and the definitions moved to break import cycles stay importable from their old homes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PURE_MODULES = (
+    "remat",
+    "remat.units",
+    "remat.errors",
+    "remat.costs",
+    "remat.plans",
+    "remat.simulate",
+    "remat.planners",
+    "remat.api",
+    "remat.graphs",
+    "remat.graphs.graph",
+    "remat.graphs.plan",
+    "remat.graphs.simulate",
+    "remat.graphs.planners",
+    "remat.graphs.milp",
+    "remat.graphs.reforward",
+    "remat.graphs.articulation",
+    "remat.graphs.synthetic",
+)
+
+
+def test_pure_modules_plan_with_torch_blocked() -> None:
+    code = textwrap.dedent(
+        f"""
+        import importlib, sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        for name in {PURE_MODULES!r}:
+            importlib.import_module(name)
+        import remat
+        from remat.graphs import plan_graph, simulate_graph
+        from remat.graphs.synthetic import residual_chain
+
+        chain = remat.Chain.homogeneous(6, out_bytes=10)
+        none_peak = remat.simulate(chain, remat.Plan.none()).peak_bytes
+        for method in remat.available():  # every chain planner, loaded by name
+            p = remat.plan(chain, method, none_peak)
+            assert p.predicted_peak_bytes == remat.simulate(chain, p).peak_bytes <= none_peak
+        least = remat.plan(chain, "optimal-time", int(none_peak * 0.6))
+        assert least.predicted_peak_bytes < none_peak
+        graph = residual_chain(3)
+        for method in ("none", "reforward", "articulation"):
+            gp = remat.plan(graph, method)
+            assert remat.simulate(graph, gp).peak_bytes == simulate_graph(graph, gp).peak_bytes
+            assert gp.predicted_peak_bytes == plan_graph(graph, method).predicted_peak_bytes
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert loaded == ["torch"] and sys.modules["torch"] is None, loaded
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_moved_definitions_keep_their_old_import_paths() -> None:
+    import remat.distributed
+    import remat.guards
+    import remat.report
+    import remat.stages
+    from remat.errors import UnsupportedModelError
+    from remat.profile import format_memory_report
+
+    assert remat.distributed.check_not_wrapped is remat.guards.check_not_wrapped
+    assert remat.distributed.WrapOrderError is remat.guards.WrapOrderError
+    assert remat.distributed.ORDER_HELP is remat.guards.ORDER_HELP
+    assert remat.stages.check_no_own_checkpointing is remat.guards.check_no_own_checkpointing
+    assert remat.stages.UnsupportedModelError is UnsupportedModelError
+    assert issubclass(remat.stages.StageMismatchError, UnsupportedModelError)
+    assert remat.report.format_memory_report is format_memory_report
+
+
+def test_plan_is_plan_chain_for_a_chain_and_simulate_refuses_other_types() -> None:
+    import remat
+    from remat.planners import plan_chain
+
+    chain = remat.Chain.homogeneous(5, out_bytes=8)
+    assert remat.plan(chain, "chen-sqrt", "1KiB") == plan_chain(chain, "chen-sqrt", 1024)
+    with pytest.raises(TypeError, match="Chain or a Graph"):
+        remat.simulate([1, 2], remat.Plan.none())  # type: ignore[arg-type]
