@@ -39,7 +39,7 @@ from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.plans import Plan, PlanError, Segment
-from remat.stages import Stages, _run_plain, split_stages
+from remat.stages import Stages, UnsupportedModelError, _run_plain, split_stages
 
 __all__ = ["apply", "PlannedModule", "SignatureMismatchError", "input_signature"]
 
@@ -201,7 +201,21 @@ class _Executor:
                 return contextlib.nullcontext(), _frozen_running_stats(norms)
 
             options["context_fn"] = context_fn
-        return checkpoint(run_children, *tensors, **options)
+        versions = [t._version for t in tensors]
+        out = checkpoint(run_children, *tensors, **options)
+        if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
+            raise UnsupportedModelError(_writes_input(self.stages.names[seg.start - 1]))
+        return out
+
+
+def _writes_input(name: str) -> str:
+    return (
+        f"stage {name!r} writes into its input in place, and the plan recomputes a segment "
+        "that starts at it: the recomputation would read the input already modified (wrong "
+        "gradients, or torch's 'modified by an inplace operation'). Make the write out of place "
+        "in the model (x = x + 1, inplace=False), or name the stages so that this block joins "
+        "the stage before it (stages=[...])"
+    )
 
 
 def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
