@@ -195,8 +195,11 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         copies = int(any(g.get("momentum", 0) for g in optimizer.param_groups))
     elif isinstance(optimizer, torch.optim.RMSprop | torch.optim.Adagrad):
         copies = 1
-    return copies * sum(
-        p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
+    return copies * sum(  # a frozen parameter gets no gradient, so no state
+        p.numel() * p.element_size()
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad
     )
 
 

@@ -43,7 +43,10 @@ checks within 1 % of :func:`remat.measure.step_peak_bytes` on an MLP, ResNet-18,
 and an LSTM (measured: exact to a few bytes).
 
 Measuring changes nothing: parameter gradients, buffers (batch-norm statistics) and the RNG
-state are restored afterwards.
+state are restored afterwards, and the stages run on a copy of the batch
+(:class:`remat.profile.BatchCopy`), so a model that writes into its input leaves the caller's
+batch as it was; each stage's inputs that need no gradient get their values back before each
+timed run, so each stage sees what one forward of the stages before it left.
 
 Example:
     >>> import torch
@@ -79,7 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from remat.costs import Chain
 from remat.guards import _versions, in_place_input_error
 from remat.measure import AllocatorWindow, scratch_bytes
-from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, BatchCopy, LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
 __all__ = ["capture_chain", "capture", "Captured", "StageCost", "measure_stage"]
@@ -162,10 +165,11 @@ def capture(
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         grads = {p: p.grad for p in model.parameters()}
         devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+        private = BatchCopy(batch)  # the model may write into its input: never the caller's
         try:
             with torch.random.fork_rng(devices=devices):
                 chain, rises = _measure_chain(
-                    model, split, batch, loss_fn, False, repeats, progress
+                    model, split, private.batch, loss_fn, False, repeats, progress
                 )
         finally:
             with torch.no_grad():
@@ -352,9 +356,16 @@ def measure_stage(
 
     ``exclude`` maps storages not to count as saved (parameters, buffers, the batch);
     ``params`` get their gradients reset to ``None`` after each backward.
+
+    A stage may write into its input in place (``x.add_(1)``, as a block may in a model): it
+    gets ``x`` through an identity autograd function, not the leaf itself, and the inputs that
+    need no gradient (the batch, masks: the same tensors as the next stages') get their values
+    back before each timed run, so that after this stage they hold what one run left in them.
     """
     x = tree_map_only(torch.Tensor, _fresh_leaf, inp)
     x_tensors = _tensors(x)
+    # values of the inputs that need no gradient, for the timed runs (not under fake tensors)
+    inputs = BatchCopy([] if fake else [t for t in x_tensors if not t.requires_grad], snapshot=True)
     skip = dict(exclude or {})
     skip.update(_keys(x_tensors))
     saved: dict[int, int] = {}
@@ -387,7 +398,7 @@ def measure_stage(
         base = tracker.activation_bytes()
         tracker.set_phase("forward")
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack), fwd_counter, fwd_alloc:
-            out = run(x)
+            out = run(_entered(x))
         fwd_tracked = tracker.window_peak - base
         fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
         out_tensors = _tensors(out)
@@ -420,9 +431,11 @@ def measure_stage(
     else:
         fwd_times, bwd_times = [], []
         for _ in range(repeats):
+            inputs.restore()
+            entered = _entered(x)
             _sync(device)
             start = time.perf_counter()
-            out = run(x)
+            out = run(entered)
             _sync(device)
             fwd_times.append(time.perf_counter() - start)
             seed, _ = _seed(_tensors(out))
@@ -432,7 +445,7 @@ def measure_stage(
                 seed.backward()
             _sync(device)
             bwd_times.append(time.perf_counter() - start)
-            del out, seed
+            del out, seed, entered
             reset()
         fwd_time = statistics.median(fwd_times)
         bwd_time = statistics.median(bwd_times)
@@ -456,6 +469,27 @@ def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
     if t.requires_grad and (t.is_floating_point() or t.is_complex()):
         return t.detach().requires_grad_(True)
     return t
+
+
+def _entered(x: Any) -> Any:
+    """``x`` with each leaf that requires grad passed through :class:`_Enter`."""
+    return tree_map_only(
+        torch.Tensor, lambda t: _Enter.apply(t) if t.requires_grad and t.is_leaf else t, x
+    )
+
+
+class _Enter(torch.autograd.Function):
+    """Identity on the same storage whose output is not a leaf, so that the stage may write
+    into it in place (autograd refuses that on a leaf that requires grad); the gradient passes
+    through to the leaf unchanged (no memory)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _fresh_copy(t: torch.Tensor) -> torch.Tensor:

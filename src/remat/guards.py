@@ -84,14 +84,14 @@ def check_no_own_checkpointing(model: nn.Module) -> None:
             )
 
 
-class InPlaceInputError(ValueError):
+class InPlaceInputError(UnsupportedModelError):
     """A stage writes into the tensor it receives: a checkpointed segment cannot start at it."""
 
 
 def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
     """The error for stage ``stage`` (1-based) writing into its input (capture and executor)."""
     return InPlaceInputError(
-        f"stage {stage} ({name}) writes into its input in place (an in-place operation such as "
+        f"stage {stage} ({name!r}) writes into its input in place (an in-place operation such as "
         "x.add_(1) or x.mul_(2) on the tensor it receives): a checkpointed segment starting at "
         "this stage could not be recomputed, because its input no longer holds the value the "
         "segment read. Make the operation out of place (x = x + 1), or join the stage with the "

@@ -37,7 +37,8 @@ returns a :class:`MemoryReport`:
 (shared/peers.md counts the same way). Parameter gradients are ``None`` when the measured step
 starts (as after ``zero_grad(set_to_none=True)``); without an optimizer they are put back as
 they were afterwards. ``profile`` trains: with an optimizer the parameters change, and batch
-norm statistics are updated as in any training step.
+norm statistics are updated as in any training step. The step runs on a copy of the batch
+(:class:`BatchCopy`): a model that writes into its input leaves the caller's batch as it was.
 
 **Fake tensors.** ``fake=True`` runs the same step under ``FakeTensorMode``: parameters,
 buffers, optimizer state and batch are swapped for fake tensors of the same shapes, dtypes and
@@ -70,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.units import format_bytes
@@ -84,6 +86,7 @@ __all__ = [
     "StepTracker",
     "fake_step",
     "optimizer_costs",
+    "BatchCopy",
     "MEMORY_REPORT_SCHEMA_VERSION",
     "format_memory_report",
 ]
@@ -174,6 +177,69 @@ def _run_step(
         optimizer.zero_grad(set_to_none=True)
     phase("end")
     return loss.detach()
+
+
+class BatchCopy:
+    """A private copy of a batch, for measurements that run the model on it (several times).
+
+    A model may write into its input (``x.mul_(2)`` in ``forward``, an in-place ``ReLU`` or
+    ``Dropout`` as its first layer). Measured on the copy, the caller's batch stays bit-identical,
+    and :meth:`restore` puts the caller's values back into the copy between runs, so every run
+    sees the same input however often an earlier one wrote into it.
+
+    Tensors that share a storage in the batch (``labels`` that are ``input_ids``, views) share
+    one in the copy, so the copy has the batch's bytes. Only plain strided tensors are copied;
+    others (sparse, subclasses) and batches in containers that are not pytrees pass as they are.
+
+    ``snapshot=True`` turns it around: :attr:`batch` is the batch itself and :meth:`restore`
+    puts back the values it had when the snapshot was taken.
+    """
+
+    def __init__(self, batch: Any, snapshot: bool = False) -> None:
+        # storage key -> (where values come from, where restore() writes them)
+        self._storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._tensors: list[tuple[torch.Tensor, int, int]] = []  # run-on tensor, storage, version
+        memo: dict[int, torch.Tensor] = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in memo:
+                return memo[id(t)]
+            if type(t) is not torch.Tensor or t.layout != torch.strided:
+                return t
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self._storages:
+                clone = storage.clone()
+                self._storages[key] = (clone, storage) if snapshot else (storage, clone)
+            if snapshot:
+                new = t
+            else:
+                new = torch.empty(0, dtype=t.dtype, device=t.device)
+                new.set_(self._storages[key][1], t.storage_offset(), t.size(), t.stride())
+                new.requires_grad_(t.requires_grad)
+            memo[id(t)] = new
+            self._tensors.append((new, key, _version_of(new)))
+            return new
+
+        self.batch: Any = tree_map_only(torch.Tensor, copy, batch)
+        """What to run the model on (the copy; with ``snapshot=True`` the batch itself)."""
+
+    def restore(self) -> Any:
+        """Put the original values back where a run wrote into :attr:`batch`; returns it."""
+        written = {key for t, key, version in self._tensors if _version_of(t) != version}
+        for key in written:
+            source, target = self._storages[key]
+            target.copy_(source)
+        if written:
+            self._tensors = [(t, key, _version_of(t)) for t, key, _ in self._tensors]
+        return self.batch
+
+
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
 
 
 # ---------------------------------------------------------------------- the report
@@ -369,10 +435,15 @@ def _measure(
     fake: bool,
     timeline: bool,
 ) -> MemoryReport:
+    private = BatchCopy(batch) if not fake else None  # the model may write into its input
+    if private is not None:
+        batch = private.batch
     warmup = 0
     if optimizer is not None and not optimizer.state:
         _run_step(model, batch, loss_fn, optimizer, None)
         warmup = 1
+        if private is not None:
+            private.restore()
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None
@@ -464,6 +535,7 @@ class StepTracker(MemTracker):
 
     def __init__(self, root: nn.Module | None = None, timeline: bool = True) -> None:
         super().__init__()
+        self._mod_tracker = _HookReturningModTracker()
         self.phase = "start"
         self.record_timeline = timeline
         self.timeline: list[tuple[str, int]] = []
@@ -551,6 +623,27 @@ class StepTracker(MemTracker):
         return {self._name(k): (v[0], v[1]) for k, v in self._module_peaks.items()}
 
     # -- MemTracker overrides
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        # MemTracker hooks every parameter to tag its gradient; a frozen parameter (fine-tuning,
+        # LoRA) has no gradient and refuses hooks ("cannot register a hook on a tensor that
+        # doesn't require gradient"): hook only the parameters that require grad
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._tag_gradient),
+                        param.register_post_accumulate_grad_hook(
+                            lambda p: self._tag_gradient(p.grad)
+                        ),
+                    )
+        return sizes
+
+    def _tag_gradient(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         # called after every operation
         self._sample()
@@ -625,6 +718,60 @@ class StepTracker(MemTracker):
             return self.phase
         deepest = max(inner, key=lambda p: (p.count("."), len(p)))
         return f"{self.phase}:{self._name(deepest)}"
+
+
+class _HookReturningModTracker(ModTracker):
+    """``ModTracker`` that removes, when it exits, the gradient hooks it put on the tensors
+    going into and out of modules (``register_multi_grad_hook``, whose handles it drops).
+
+    Left in place, such a hook keeps memory alive for ever: its closure holds the autograd
+    nodes of the tensors it watches (a leaf's ``AccumulateGrad`` node, which holds the leaf;
+    an activation's ``grad_fn``, which holds the hook in turn), a cycle through C++ that the
+    garbage collector cannot see. :func:`remat.capture` runs every stage on a leaf copy of its
+    input, so each call leaked one activation per stage; :func:`profile` and the graph capture
+    kept every parameter of the model alive after the model was gone. The hooks live in each
+    tensor's hook dictionary, which its autograd node shares: emptied, the cycle is broken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hooked: list[tuple[dict[int, Any], list[int]]] = []
+
+    # (the hooks run with torch-function modes off: registering a gradient hook on a leaf
+    # calls ``view_as``, which the graph capture's recorder would count as the model's)
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        before = _hook_keys(input)
+        with torch._C.DisableTorchFunction():
+            super()._fw_pre_hook(mod, input)
+        self._note_new_hooks(before)
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        before = _hook_keys(output)
+        with torch._C.DisableTorchFunction():
+            super()._fw_post_hook(mod, input, output)
+        self._note_new_hooks(before)
+
+    def _note_new_hooks(self, before: list[tuple[torch.Tensor, set[int]]]) -> None:
+        for t, keys in before:
+            hooks = t._backward_hooks
+            added = [k for k in (hooks or {}) if k not in keys]
+            if added:
+                self._hooked.append((hooks, added))
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        for hooks, keys in self._hooked:
+            for k in keys:
+                hooks.pop(k, None)
+        self._hooked.clear()
+
+
+def _hook_keys(obj: Any) -> list[tuple[torch.Tensor, set[int]]]:
+    """The tensors in ``obj`` that require grad, with the keys of their backward hooks."""
+    return [
+        (t, set(t._backward_hooks or {}))
+        for t in tree_flatten(obj)[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
 
 
 # ---------------------------------------------------------------------- fake tensors

@@ -696,8 +696,9 @@ def _check_parameters_covered(
 class _CompositionCheck:
     """Verifies once, on the first inputs, that the named stages compute ``model(x)``.
 
-    Runs both without grad, from the same RNG state, and restores the RNG state and every
-    buffer (batch-norm statistics) afterwards, so the check has no side effects.
+    Runs both without grad, from the same RNG state and the same input values (a model may
+    write into its input), and restores the RNG state, every buffer (batch-norm statistics)
+    and the input values afterwards, so the check has no side effects.
     """
 
     def __init__(self, model: nn.Module, holder: list[Stages]) -> None:
@@ -708,6 +709,9 @@ class _CompositionCheck:
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.done:
             return
+        from remat.profile import BatchCopy
+
+        inputs = BatchCopy((args, kwargs), snapshot=True)
         stages = self.holder[0]
         model = self.model
         buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
@@ -722,6 +726,7 @@ class _CompositionCheck:
                 torch.set_rng_state(state)
                 for d, s in zip(devices, cuda_states, strict=True):
                     torch.cuda.set_rng_state(s, d)
+                inputs.restore()
                 try:
                     got = _run_plain(stages, args, kwargs)
                 except Exception as err:
@@ -733,6 +738,7 @@ class _CompositionCheck:
             with torch.no_grad():
                 for k, b in model.named_buffers():
                     b.copy_(buffers[k])
+            inputs.restore()
         problem = _compare_outputs(expected, got)
         if problem is not None:
             raise StageMismatchError(

@@ -42,7 +42,9 @@ Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
 The loss (``loss_fn``, default :func:`remat.profile.default_loss_fn`) is part of the graph: its
 calls are nodes (scope ``<loss>``), the loss scalar is the sink. ``fake=True`` runs everything
 under ``FakeTensorMode`` (paper-size models in seconds, nothing allocated; bytes equal the real
-run's). Capturing changes nothing: parameter gradients, buffers and the RNG state are restored.
+run's). Capturing changes nothing: parameter gradients, buffers and the RNG state are restored,
+and the step runs on a copy of the batch (:class:`remat.profile.BatchCopy`), so a model that
+writes into its input leaves the caller's batch as it was.
 
 Example:
     >>> import torch
@@ -93,7 +95,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.graphs.graph import Graph, Node
 from remat.guards import check_no_own_checkpointing
 from remat.measure import scratch_bytes
-from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, BatchCopy, LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
     "LEVELS",
@@ -248,10 +250,11 @@ def trace_levels(
                 "input ids for padding), which fake tensors cannot answer: capture it with "
                 "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
             ) from err
+    private = BatchCopy(batch)  # the model may write into its input: never the caller's
     with _preserved(model):
-        state = _record(model, batch, loss_fn, costs, flops=False)
+        state = _record(model, private.batch, loss_fn, costs, flops=False)
         if costs:
-            _time_calls(model, batch, loss_fn, state, repeats)
+            _time_calls(model, private, loss_fn, state, repeats)
     return {level: _build(state, level, "s") for level in levels}
 
 
@@ -762,8 +765,11 @@ def _device_of(model: nn.Module, batch: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repeats: int) -> None:
-    """Seconds per call: ``repeats`` steps under a light timing mode, medians."""
+def _time_calls(
+    model: nn.Module, batch: BatchCopy, loss_fn: LossFn, st: _State, repeats: int
+) -> None:
+    """Seconds per call: ``repeats`` steps under a light timing mode, medians (each on the
+    recorded step's input: :meth:`~remat.profile.BatchCopy.restore`)."""
     calls = st.calls
 
     class Timer(TorchFunctionMode):
@@ -805,8 +811,9 @@ def _time_calls(model: nn.Module, batch: Any, loss_fn: LossFn, st: _State, repea
     params = list(model.parameters())
     for _ in range(repeats):
         timer = Timer()
+        inputs = batch.restore()
         with timer:
-            loss = loss_fn(model, batch)
+            loss = loss_fn(model, inputs)
         if timer.index != len(calls):
             raise RuntimeError(
                 f"the timed step made {timer.index} torch calls, the recorded one {len(calls)}: "
