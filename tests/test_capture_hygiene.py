@@ -92,7 +92,7 @@ def test_the_callers_batch_is_bit_identical_afterwards(call: str, first: str) ->
 
 def test_shared_storages_stay_shared_in_the_copy() -> None:
     # labels that are the input ids: one storage, counted once, in the copy as in the batch
-    from remat.profile import BatchCopy
+    from remat.guards import BatchCopy
 
     ids = torch.arange(12).reshape(3, 4)
     copy = BatchCopy({"input_ids": ids, "labels": ids, "row": ids[1]})

@@ -80,9 +80,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
-from remat.guards import _versions, in_place_input_error
+from remat.guards import BatchCopy, _versions, in_place_input_error
 from remat.measure import AllocatorWindow, scratch_bytes
-from remat.profile import ONE_MODEL_CALL, BatchCopy, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
 __all__ = ["capture_chain", "capture", "Captured", "StageCost", "measure_stage"]

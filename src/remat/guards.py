@@ -5,6 +5,8 @@
   works (:data:`ORDER_HELP`, ``docs/distributed.md``).
 * :func:`check_no_own_checkpointing`: a model with Hugging Face's own gradient checkpointing
   enabled is refused (:class:`~remat.errors.UnsupportedModelError`).
+* :class:`BatchCopy`: the private copy of the caller's batch that every measurement runs the
+  model on (a model may write into its input; the caller's batch stays as it was).
 * :class:`InPlaceInputError` (:func:`in_place_input_error`): a stage that writes into its input
   cannot start a checkpointed segment (the chain capture and the executor both check it).
 
@@ -17,13 +19,16 @@ Also importable from their former homes (``remat.distributed.check_not_wrapped``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from remat.errors import UnsupportedModelError
 
 __all__ = [
+    "BatchCopy",
     "InPlaceInputError",
     "in_place_input_error",
     "ORDER_HELP",
@@ -100,11 +105,68 @@ def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
     )
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    out = []
-    for t in tensors:
-        try:
-            out.append(int(t._version))
-        except RuntimeError:  # inference tensors have no version counter
-            out.append(0)
-    return out
+    return [_version(t) for t in tensors]
+
+
+class BatchCopy:
+    """A private copy of a batch, for measurements that run the model on it (several times).
+
+    A model may write into its input (``x.mul_(2)`` in ``forward``, an in-place ``ReLU`` or
+    ``Dropout`` as its first layer). Measured on the copy, the caller's batch stays bit-identical,
+    and :meth:`restore` puts the caller's values back into the copy between runs, so every run
+    sees the same input however often an earlier one wrote into it.
+
+    Tensors that share a storage in the batch (``labels`` that are ``input_ids``, views) share
+    one in the copy, so the copy has the batch's bytes. Only plain strided tensors are copied;
+    others (sparse, subclasses) and batches in containers that are not pytrees pass as they are.
+
+    ``snapshot=True`` turns it around: :attr:`batch` is the batch itself and :meth:`restore`
+    puts back the values it had when the snapshot was taken.
+    """
+
+    def __init__(self, batch: Any, snapshot: bool = False) -> None:
+        # storage key -> (where values come from, where restore() writes them)
+        self._storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._tensors: list[tuple[torch.Tensor, int, int]] = []  # run-on tensor, storage, version
+        memo: dict[int, torch.Tensor] = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in memo:
+                return memo[id(t)]
+            if type(t) is not torch.Tensor or t.layout != torch.strided:
+                return t
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self._storages:
+                clone = storage.clone()
+                self._storages[key] = (clone, storage) if snapshot else (storage, clone)
+            if snapshot:
+                new = t
+            else:
+                new = torch.empty(0, dtype=t.dtype, device=t.device)
+                new.set_(self._storages[key][1], t.storage_offset(), t.size(), t.stride())
+                new.requires_grad_(t.requires_grad)
+            memo[id(t)] = new
+            self._tensors.append((new, key, _version(new)))
+            return new
+
+        self.batch: Any = tree_map_only(torch.Tensor, copy, batch)
+        """What to run the model on (the copy; with ``snapshot=True`` the batch itself)."""
+
+    def restore(self) -> Any:
+        """Put the original values back where a run wrote into :attr:`batch`; returns it."""
+        written = {key for t, key, version in self._tensors if _version(t) != version}
+        for key in written:
+            source, target = self._storages[key]
+            target.copy_(source)
+        if written:
+            self._tensors = [(t, key, _version(t)) for t, key, _ in self._tensors]
+        return self.batch

@@ -38,7 +38,7 @@ returns a :class:`MemoryReport`:
 starts (as after ``zero_grad(set_to_none=True)``); without an optimizer they are put back as
 they were afterwards. ``profile`` trains: with an optimizer the parameters change, and batch
 norm statistics are updated as in any training step. The step runs on a copy of the batch
-(:class:`BatchCopy`): a model that writes into its input leaves the caller's batch as it was.
+(:class:`remat.guards.BatchCopy`): a model that writes into its input leaves the caller's batch as it was.
 
 **Fake tensors.** ``fake=True`` runs the same step under ``FakeTensorMode``: parameters,
 buffers, optimizer state and batch are swapped for fake tensors of the same shapes, dtypes and
@@ -74,6 +74,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from remat.guards import BatchCopy
 from remat.units import format_bytes
 
 __all__ = [
@@ -177,69 +178,6 @@ def _run_step(
         optimizer.zero_grad(set_to_none=True)
     phase("end")
     return loss.detach()
-
-
-class BatchCopy:
-    """A private copy of a batch, for measurements that run the model on it (several times).
-
-    A model may write into its input (``x.mul_(2)`` in ``forward``, an in-place ``ReLU`` or
-    ``Dropout`` as its first layer). Measured on the copy, the caller's batch stays bit-identical,
-    and :meth:`restore` puts the caller's values back into the copy between runs, so every run
-    sees the same input however often an earlier one wrote into it.
-
-    Tensors that share a storage in the batch (``labels`` that are ``input_ids``, views) share
-    one in the copy, so the copy has the batch's bytes. Only plain strided tensors are copied;
-    others (sparse, subclasses) and batches in containers that are not pytrees pass as they are.
-
-    ``snapshot=True`` turns it around: :attr:`batch` is the batch itself and :meth:`restore`
-    puts back the values it had when the snapshot was taken.
-    """
-
-    def __init__(self, batch: Any, snapshot: bool = False) -> None:
-        # storage key -> (where values come from, where restore() writes them)
-        self._storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-        self._tensors: list[tuple[torch.Tensor, int, int]] = []  # run-on tensor, storage, version
-        memo: dict[int, torch.Tensor] = {}
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in memo:
-                return memo[id(t)]
-            if type(t) is not torch.Tensor or t.layout != torch.strided:
-                return t
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key not in self._storages:
-                clone = storage.clone()
-                self._storages[key] = (clone, storage) if snapshot else (storage, clone)
-            if snapshot:
-                new = t
-            else:
-                new = torch.empty(0, dtype=t.dtype, device=t.device)
-                new.set_(self._storages[key][1], t.storage_offset(), t.size(), t.stride())
-                new.requires_grad_(t.requires_grad)
-            memo[id(t)] = new
-            self._tensors.append((new, key, _version_of(new)))
-            return new
-
-        self.batch: Any = tree_map_only(torch.Tensor, copy, batch)
-        """What to run the model on (the copy; with ``snapshot=True`` the batch itself)."""
-
-    def restore(self) -> Any:
-        """Put the original values back where a run wrote into :attr:`batch`; returns it."""
-        written = {key for t, key, version in self._tensors if _version_of(t) != version}
-        for key in written:
-            source, target = self._storages[key]
-            target.copy_(source)
-        if written:
-            self._tensors = [(t, key, _version_of(t)) for t, key, _ in self._tensors]
-        return self.batch
-
-
-def _version_of(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference tensors have no version counter
-        return 0
 
 
 # ---------------------------------------------------------------------- the report

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from remat.errors import UnsupportedModelError
-from remat.guards import check_no_own_checkpointing
+from remat.guards import BatchCopy, check_no_own_checkpointing
 
 __all__ = [
     "Stages",
@@ -709,8 +709,6 @@ class _CompositionCheck:
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.done:
             return
-        from remat.profile import BatchCopy
-
         inputs = BatchCopy((args, kwargs), snapshot=True)
         stages = self.holder[0]
         model = self.model

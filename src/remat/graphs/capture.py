@@ -93,9 +93,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
-from remat.guards import check_no_own_checkpointing
+from remat.guards import BatchCopy, check_no_own_checkpointing
 from remat.measure import scratch_bytes
-from remat.profile import ONE_MODEL_CALL, BatchCopy, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
     "LEVELS",
