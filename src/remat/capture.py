@@ -63,6 +63,7 @@ memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they 
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 import warnings
@@ -75,7 +76,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
-from remat.measure import AllocatorWindow, scratch_bytes
+from remat.measure import AllocatorWindow, output_tensors, scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
@@ -94,6 +95,10 @@ class Captured:
     """Per stage, how much the parameter gradients its backward makes raise that backward's
     peak (0 when they appear after it, at most their size when they are all live at it). The
     whole-step prediction (:func:`remat.auto.total_peak_bytes`) uses it; empty when unknown."""
+    output_bytes: int = 0
+    """Unique bytes of what the model returns (``Stages.finish``: e.g. the logits, and a Hugging
+    Face model's loss), parameters, buffers and the batch excluded: what a training loop that
+    holds the output keeps through the step (:class:`remat.step.StepCosts`)."""
 
 
 @dataclass(frozen=True)
@@ -150,9 +155,32 @@ def capture(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
+    # NOTE [ Collect before measuring ]: garbage from before the capture (a reference cycle
+    # through an exception's traceback that holds a model output) freed by the cyclic collector
+    # inside a stage's window lowered the allocator's count there and hid kernel scratch memory
+    # (GPT-2's loss backward: 4 MiB, now and then); collect first, and not during the capture
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _capture(model, batch, loss_fn, split, fake, repeats, progress)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _capture(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    split: Stages,
+    fake: bool,
+    repeats: int,
+    progress: bool,
+) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            chain, rises = _measure_chain(
+            chain, rises, output = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress
             )
     else:
@@ -161,7 +189,7 @@ def capture(
         devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
         try:
             with torch.random.fork_rng(devices=devices):
-                chain, rises = _measure_chain(
+                chain, rises, output = _measure_chain(
                     model, split, batch, loss_fn, False, repeats, progress
                 )
         finally:
@@ -170,7 +198,7 @@ def capture(
                     b.copy_(saved)
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split, rises)
+    return Captured(chain, split, rises, output)
 
 
 # ---------------------------------------------------------------------- implementation
@@ -236,7 +264,7 @@ def _measure_chain(
     fake: bool,
     repeats: int,
     progress: bool,
-) -> tuple[Chain, tuple[int, ...]]:
+) -> tuple[Chain, tuple[int, ...], int]:
     from tqdm.auto import tqdm
 
     args, kwargs = _model_arguments(model, loss_fn, batch)
@@ -246,11 +274,13 @@ def _measure_chain(
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
     input_bytes = sum(outside.values())
+    skip = fixed | outside
     params = list(model.parameters())
     for p in params:
         p.grad = None
     costs: list[StageCost] = []
     outs: list[int] = []
+    held: list[int] = []  # the model's output (what finish returns), measured once
     x = a0
     n = split.n
     bar = tqdm(total=n, desc="measuring stages", unit="stage", disable=not progress, leave=False)
@@ -261,7 +291,11 @@ def _measure_chain(
 
                 def run(inp: Any, module: nn.Module = module) -> Any:
                     def call(*a: Any, **k: Any) -> Any:
-                        return split.finish(module(inp), *a, **k)
+                        out = split.finish(module(inp), *a, **k)
+                        if not held:
+                            new = _keys(output_tensors(out))
+                            held.append(sum(v for key, v in new.items() if key not in skip))
+                        return out
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
             else:
@@ -305,7 +339,7 @@ def _measure_chain(
         names=split.names,
         time_unit="flop" if fake else "s",
     )
-    return chain, tuple(c.grad_rise_bytes for c in costs)
+    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else 0
 
 
 def measure_stage(

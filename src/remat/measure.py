@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "AllocatorWindow",
+    "output_tensors",
     "SCRATCH_MIN_BYTES",
     "scratch_bytes",
     "unique_storage_bytes",
@@ -38,6 +39,29 @@ __all__ = [
 ]
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def output_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor a model output holds: pytree containers (tuples, lists, dicts, Hugging Face
+    ``ModelOutput``s), and the fields of other objects (dataclasses, namespaces), so that what a
+    training loop keeps by holding the output is found whatever its class."""
+    from torch.utils._pytree import tree_leaves
+
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 8:
+            return
+        seen.add(id(value))
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif hasattr(leaf, "__dict__") and not isinstance(leaf, type | torch.nn.Module):
+                walk(vars(leaf), depth + 1)
+
+    walk(obj, 0)
+    return found
 
 
 def unique_storage_bytes(tensors: Iterable[Any]) -> int:

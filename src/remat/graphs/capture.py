@@ -87,7 +87,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
-from remat.measure import scratch_bytes
+from remat.measure import output_tensors, scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
@@ -170,6 +170,10 @@ class GraphTrace:
     (a parameter's gradient is made by the backward of the last node that reads it, and lives
     to the end of the step): :func:`remat.graphs.simulate.simulate_step_peak` adds them to
     predict the whole step's peak."""
+    output_bytes: int = field(default=0)
+    """Unique bytes of what the model's forward returned (parameters, buffers and the batch
+    excluded): what a training loop that holds the output keeps through the step
+    (:class:`remat.step.StepCosts`)."""
 
 
 def capture_graph(
@@ -299,6 +303,7 @@ class _State:
     loss_key: int = -1
     real_saved: dict[int, int] = field(default_factory=dict)
     stray_saves: int = 0
+    output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
 
     def scope(self) -> str:
         if not self.inside:
@@ -325,6 +330,16 @@ def _key(st: _State, t: torch.Tensor) -> int:
         st.next_key += 1
         key = st.serials[storage] = st.next_key
     return key
+
+
+def _output_bytes(st: _State, out: Any) -> int:
+    """Unique bytes of the tensors in ``out`` that are not parameters, buffers or the batch."""
+    seen: dict[int, int] = {}
+    for t in output_tensors(out):
+        key = _key(st, t)
+        if key not in st.fixed and key not in st.batch_keys:
+            seen[key] = _nbytes(t)
+    return sum(seen.values())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -493,6 +508,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             st.stack.pop()
         if module is model:
             st.inside -= 1
+            st.output_bytes = _output_bytes(st, out)
 
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -1034,6 +1050,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         saved_constant_bytes=const_bytes,
         real_saved_bytes=sum(st.real_saved.values()),
         param_grad_bytes=tuple(param_grads),
+        output_bytes=st.output_bytes,
     )
 
 
