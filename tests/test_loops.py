@@ -332,3 +332,50 @@ def test_the_minimum_a_refused_budget_names_is_accepted(name: str) -> None:
     assert summary.predicted_peak_bytes <= minimum
     measured = _measured_peak(planned, case.loops["a"], opt, case.batch)
     assert measured <= minimum, (measured, minimum)
+
+
+def test_one_whole_step_model_adds_the_held_output_everywhere() -> None:
+    # the chain path, the graph path and the pure model itself: the held output is live over the
+    # whole timeline and at the optimizer step, so every prediction rises by exactly its bytes
+    import remat
+    from remat.auto import total_peak_bytes
+    from remat.graphs import Graph, GraphPlan, simulate_step_peak
+    from remat.step import StepCosts, StepEvent, step_peak
+
+    chain = remat.Chain(
+        fwd_time=[1.0] * 4,
+        bwd_time=[1.0] * 4,
+        out_bytes=[10] * 4,
+        saved_bytes=[30] * 4,
+        input_bytes=10,
+    )
+    for plan in (remat.Plan.none(), remat.Plan.from_checkpoints(chain, [2])):
+        base = total_peak_bytes(chain, plan, 100, [5, 5, 5, 5], optimizer_step_bytes=300)
+        held = total_peak_bytes(
+            chain, plan, 100, [5, 5, 5, 5], optimizer_step_bytes=300, output_held_bytes=7
+        )
+        assert held == base + 7
+    graph = Graph.from_edges([(), (0,), (1,), (2,)], out_bytes=[10] * 4, input_bytes=10)
+    base = simulate_step_peak(graph, GraphPlan.none(), 100, [1, 2, 3, 4])
+    assert simulate_step_peak(graph, GraphPlan.none(), 100, [1, 2, 3, 4], None, 9) == base + 9
+    timeline = [StepEvent(False, 0, 40, 30), StepEvent(True, 0, 50, 0)]
+    costs = StepCosts(persistent_bytes=100, grad_bytes=(10,), optimizer_step_bytes=200)
+    assert step_peak(timeline, costs) == 100 + 10 + 200  # the optimizer step binds
+    with_output = StepCosts(100, (10,), optimizer_step_bytes=200, output_held_bytes=64)
+    assert step_peak(timeline, with_output) == 100 + 10 + 200 + 64
+
+
+def test_the_whole_step_model_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import remat.step\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
