@@ -1,9 +1,10 @@
 """One line: ``planned, summary = remat.auto(model, batch, budget="4GiB")``.
 
 :func:`auto` captures the model as a chain (measured costs), subtracts what no plan changes
-(parameters, their gradients, buffers and optimizer state) from the budget, plans the rest with
-a planner (``optimal-time`` by default), and applies the plan with nested non-reentrant
-checkpointing. The returned module trains like the original, with equal gradients.
+(parameters, their gradients, buffers, optimizer state, and the model output the training loop
+holds: ``loop="output-held"`` by default, see :mod:`remat.step`) from the budget, plans the
+rest with a planner (``optimal-time`` by default), and applies the plan with nested
+non-reentrant checkpointing. The returned module trains like the original, with equal gradients.
 
 Example:
     >>> import torch, remat
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 __all__ = [
     "auto",
     "AutoSummary",
+    "chain_step_peak",
+    "chain_timeline",
     "checkpoint_state_bytes",
     "fixed_bytes",
     "plan_for_total_budget",
