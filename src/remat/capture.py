@@ -63,7 +63,6 @@ memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they 
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 import warnings
@@ -76,7 +75,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
-from remat.measure import AllocatorWindow, output_tensors, scratch_bytes
+from remat.measure import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
@@ -155,18 +154,8 @@ def capture(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
-    # NOTE [ Collect before measuring ]: garbage from before the capture (a reference cycle
-    # through an exception's traceback that holds a model output) freed by the cyclic collector
-    # inside a stage's window lowered the allocator's count there and hid kernel scratch memory
-    # (GPT-2's loss backward: 4 MiB, now and then); collect first, and not during the capture
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure
         return _capture(model, batch, loss_fn, split, fake, repeats, progress)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _capture(

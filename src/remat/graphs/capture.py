@@ -87,7 +87,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
-from remat.measure import output_tensors, scratch_bytes
+from remat.measure import garbage_collected, output_tensors, scratch_bytes
 from remat.profile import LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
@@ -245,7 +245,7 @@ def trace_levels(
                 "input ids for padding), which fake tensors cannot answer: capture it with "
                 "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
             ) from err
-    with _preserved(model):
+    with _preserved(model), garbage_collected():  # NOTE [ Collect before measuring ]
         state = _record(model, batch, loss_fn, costs, flops=False)
         if costs:
             _time_calls(model, batch, loss_fn, state, repeats)
