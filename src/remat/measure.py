@@ -46,20 +46,16 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 @contextlib.contextmanager
 def garbage_collected() -> Iterator[None]:
-    """Collect garbage now and pause the cyclic collector inside the block (restored after).
+    """Collect garbage before the block.
 
     NOTE [ Collect before measuring ]: garbage from before a measurement (a reference cycle
-    through an exception's traceback that holds a model output) freed by the collector inside
-    an allocator window lowers the allocator's count there and hides kernel scratch memory
-    (GPT-2's loss backward: 4 MiB, now and then, in a capture after a refused budget)."""
+    through an exception's traceback that holds a model output) freed by the cyclic collector
+    inside an allocator window lowers the allocator's count there and hides kernel scratch
+    memory (GPT-2's loss backward: 4 MiB, now and then, in a capture after a refused budget).
+    The collector is not paused inside the block: cycles the measured code makes itself are
+    part of what it measures."""
     gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    yield
 
 
 def output_tensors(obj: Any) -> list[torch.Tensor]:
@@ -68,20 +64,21 @@ def output_tensors(obj: Any) -> list[torch.Tensor]:
     training loop keeps by holding the output is found whatever its class."""
     from torch.utils._pytree import tree_leaves
 
+    # iterative: a recursive closure is a reference cycle that would keep the tensors (the
+    # model's output) alive until the next garbage collection, and change what is measured
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-
-    def walk(value: Any, depth: int) -> None:
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        value, depth = stack.pop()
         if id(value) in seen or depth > 8:
-            return
+            continue
         seen.add(id(value))
         for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
                 found.append(leaf)
             elif hasattr(leaf, "__dict__") and not isinstance(leaf, type | torch.nn.Module):
-                walk(vars(leaf), depth + 1)
-
-    walk(obj, 0)
+                stack.append((vars(leaf), depth + 1))
     return found
 
 

@@ -304,6 +304,7 @@ class _State:
     real_saved: dict[int, int] = field(default_factory=dict)
     stray_saves: int = 0
     output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
+    batch_ids: set[int] = field(default_factory=set)
 
     def scope(self) -> str:
         if not self.inside:
@@ -333,12 +334,13 @@ def _key(st: _State, t: torch.Tensor) -> int:
 
 
 def _output_bytes(st: _State, out: Any) -> int:
-    """Unique bytes of the tensors in ``out`` that are not parameters, buffers or the batch."""
+    """Bytes of the tensors in ``out`` that are not parameters, buffers or the batch (each
+    tensor once; from its shape alone: touching its storage here perturbs the tracker)."""
+    fixed = {id(t) for t in (*st.root.parameters(), *st.root.buffers())}
     seen: dict[int, int] = {}
     for t in output_tensors(out):
-        key = _key(st, t)
-        if key not in st.fixed and key not in st.batch_keys:
-            seen[key] = _nbytes(t)
+        if id(t) not in fixed and id(t) not in st.batch_ids:
+            seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -482,6 +484,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor):
             st.batch_keys[_key(st, t)] = _nbytes(t)
+            st.batch_ids.add(id(t))
             st.known[_key(st, t)] = _nbytes(t)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -508,7 +511,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             st.stack.pop()
         if module is model:
             st.inside -= 1
-            st.output_bytes = _output_bytes(st, out)
+            with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
+                st.output_bytes = _output_bytes(st, out)
 
     from torch.utils.flop_counter import FlopCounterMode
 
