@@ -1,9 +1,10 @@
 """One line: ``planned, summary = remat.auto(model, batch, budget="4GiB")``.
 
 :func:`auto` captures the model as a chain (measured costs), subtracts what no plan changes
-(parameters, their gradients, buffers and optimizer state) from the budget, plans the rest with
-a planner (``optimal-time`` by default), and applies the plan with nested non-reentrant
-checkpointing. The returned module trains like the original, with equal gradients.
+(parameters, their gradients, buffers, optimizer state, and the model output the training loop
+holds: ``loop="output-held"`` by default, see :mod:`remat.step`) from the budget, plans the
+rest with a planner (``optimal-time`` by default), and applies the plan with nested
+non-reentrant checkpointing. The returned module trains like the original, with equal gradients.
 
 Example:
     >>> import torch, remat
@@ -40,8 +41,10 @@ from torch import nn
 from remat.costs import Chain
 from remat.errors import UnsupportedModelError
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
+from remat.measure import SCRATCH_MIN_BYTES
 from remat.plans import Plan
 from remat.simulate import simulate
+from remat.step import LOOPS, StepCosts, StepEvent, check_loop, output_held_bytes, step_peak
 from remat.units import format_bytes, parse_bytes, resolve_budget
 
 if TYPE_CHECKING:
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
 __all__ = [
     "auto",
     "AutoSummary",
+    "chain_step_peak",
+    "chain_timeline",
     "checkpoint_state_bytes",
     "fixed_bytes",
     "plan_for_total_budget",
@@ -87,6 +92,11 @@ class AutoSummary:
     gradients as the backward makes them, and activations)."""
     unplanned_peak_bytes: int = 0
     """The same for the unplanned step."""
+    loop: str | None = None
+    """The training loop the prediction assumes (:data:`remat.step.LOOPS`): ``"output-held"``
+    or ``"loss-only"``; None where the model output is not modelled."""
+    output_held_bytes: int = 0
+    """Bytes of the model output the assumed loop keeps through the step (in the peaks)."""
 
     @classmethod
     def of(
@@ -100,6 +110,8 @@ class AutoSummary:
         none: Any,
         predicted_peak_bytes: int = 0,
         unplanned_peak_bytes: int = 0,
+        loop: str | None = None,
+        output_held_bytes: int = 0,
     ) -> AutoSummary:
         """The summary of ``plan`` from its simulation ``sim`` and the unplanned one ``none``
         (chain or graph simulations: both have ``peak_bytes`` and ``total_time``)."""
@@ -115,6 +127,8 @@ class AutoSummary:
             unplanned_time=none.total_time,
             predicted_peak_bytes=predicted_peak_bytes,
             unplanned_peak_bytes=unplanned_peak_bytes,
+            loop=loop,
+            output_held_bytes=output_held_bytes,
         )
 
     @property
@@ -146,8 +160,18 @@ class AutoSummary:
                 f"({self.predicted_peak_bytes / max(1, unplanned_total):.2f}x)",
                 f"  predicted time overhead: {100 * self.predicted_overhead:+.1f}%",
                 f"  plan: {plan_text}",
+                f"  loop: {self._loop_text()}",
             ]
         )
+
+    def _loop_text(self) -> str:
+        if self.loop is None:
+            return "not modelled (the model's output is not counted)"
+        text = f"{self.loop!r}: {LOOPS.get(self.loop, '?')}"
+        if self.loop == "output-held":
+            text += f"; {format_bytes(self.output_held_bytes)} counted all step"
+            text += " (loop='loss-only' if your loop keeps only the loss)"
+        return text
 
 
 def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -156,7 +180,8 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     Gradients are counted for every parameter that requires grad (they exist after the first
     backward). Optimizer state is what ``optimizer.state`` holds now; a fresh optimizer without
     state is counted as the copies its first step allocates (Adam/AdamW two per parameter, three
-    with amsgrad; SGD with momentum one; RMSprop/Adagrad one; others zero).
+    with amsgrad; SGD with momentum one; RMSprop/Adagrad one; others zero) and the per-parameter
+    ``step`` counters of those that keep one (4 bytes each).
     """
     seen: set[int] = set()
     total = 0
@@ -179,27 +204,32 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         if optimizer.state:
             for state in optimizer.state.values():
                 for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        add(value)
+                    if isinstance(value, torch.Tensor):
+                        add(value)  # the 0-dim step counters too (a few bytes per parameter)
         else:
             total += _expected_state_bytes(optimizer)
     return total
 
 
 def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Optimizer state a fresh optimizer will allocate at its first step (per-parameter copies)."""
+    """Optimizer state a fresh optimizer will allocate at its first step (per-parameter copies,
+    and the per-parameter ``step`` counters of Adam/AdamW/RMSprop/Adagrad: a 0-dim float32
+    tensor each, float64 under a float64 default dtype)."""
     copies = 0
+    counters = False
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         copies = 2 + int(any(g.get("amsgrad") for g in optimizer.param_groups))
+        counters = True
     elif isinstance(optimizer, torch.optim.SGD):
         copies = int(any(g.get("momentum", 0) for g in optimizer.param_groups))
     elif isinstance(optimizer, torch.optim.RMSprop | torch.optim.Adagrad):
         copies = 1
-    return copies * sum(  # a frozen parameter gets no gradient, so no state
-        p.numel() * p.element_size()
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if p.requires_grad
+        counters = True
+    # a frozen parameter gets no gradient, so no state
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    step_bytes = 8 if torch.get_default_dtype() == torch.float64 else 4
+    return copies * sum(p.numel() * p.element_size() for p in params) + (
+        step_bytes * len(params) if counters else 0
     )
 
 
@@ -211,6 +241,8 @@ def plan_for_total_budget(
     grad_bytes: Sequence[int] | None = None,
     grad_rise_bytes: Sequence[int] | None = None,
     optimizer_step_bytes: int = 0,
+    output_held_bytes: int = 0,
+    slack_bytes: int = 0,
 ) -> Plan:
     """Plan ``chain`` so that the whole training step's peak fits ``budget``.
 
@@ -224,10 +256,16 @@ def plan_for_total_budget(
     (:attr:`remat.capture.Captured.grad_rise_bytes`) makes that evaluation exact during each
     stage's backward. ``optimizer_step_bytes`` (the temporaries of one optimizer step,
     :func:`remat.profile.optimizer_costs`) with ``fixed`` and the batch is the step's last
-    phase, which no plan changes: a budget below it raises at once.
+    phase, which no plan changes: a budget below it raises at once. ``output_held_bytes`` is
+    the model output the training loop keeps through the step (:mod:`remat.step`), live all
+    step beside the activations; ``slack_bytes`` (:attr:`remat.step.StepCosts.slack_bytes`)
+    too.
 
     With ``budget=None``: the plan with the least activation peak whose predicted time is at
     most the unplanned time plus one extra forward.
+
+    A :class:`~remat.planners.BudgetTooSmallError` names a ``minimum_bytes`` that this function
+    accepts when called again with it as the budget.
     """
     from remat.api import plan as make_plan
     from remat.planners import BudgetTooSmallError
@@ -235,34 +273,50 @@ def plan_for_total_budget(
     if budget is None:
         return _least_memory_within_one_forward(chain, method)
     total = parse_bytes(budget)
-    optimizer_phase = fixed + chain.input_bytes + optimizer_step_bytes
-    if optimizer_step_bytes and optimizer_phase > total:
-        raise _optimizer_step_too_large(
-            total,
-            max(optimizer_phase, fixed + _least_activation_peak(chain, method)),
-            method,
-            optimizer_phase,
-            optimizer_step_bytes,
-        )
-    activation_budget = total - fixed
+    held = fixed + output_held_bytes + slack_bytes
+    costs = None
     if grad_bytes is not None:
-        persistent = fixed - sum(grad_bytes)
-        return _largest_fitting_plan(
-            chain, persistent, list(grad_bytes), total, method, grad_rise_bytes
+        costs = StepCosts(
+            persistent_bytes=fixed - sum(grad_bytes),
+            grad_bytes=tuple(grad_bytes),
+            grad_rise_bytes=tuple(grad_rise_bytes or ()),
+            optimizer_step_bytes=optimizer_step_bytes,
+            output_held_bytes=output_held_bytes,
+            input_bytes=chain.input_bytes,
+            slack_bytes=slack_bytes,
         )
+    optimizer_phase = held + chain.input_bytes + optimizer_step_bytes
+    if optimizer_step_bytes and optimizer_phase > total:
+        least = (
+            _least_step_peak(chain, method, costs)[1]
+            if costs is not None
+            else held + _least_activation_peak(chain, method)
+        )
+        raise _optimizer_step_too_large(
+            total, max(optimizer_phase, least), method, optimizer_phase, optimizer_step_bytes
+        )
+    if costs is not None:
+        return _largest_fitting_plan(chain, costs, total, method)
+    activation_budget = total - held
     if activation_budget <= chain.input_bytes:
         raise BudgetTooSmallError(
             total,
-            fixed + simulate(chain, make_plan(chain, method)).peak_bytes,
+            held + simulate(chain, make_plan(chain, method)).peak_bytes,
             method,
             f"parameters, gradients, buffers and optimizer state alone take "
-            f"{format_bytes(fixed)}; shrink them with the levers (precision, sparsity) first",
+            f"{format_bytes(fixed)}"
+            + (
+                f" and the output the loop holds {format_bytes(output_held_bytes)}"
+                if output_held_bytes
+                else ""
+            )
+            + "; shrink them with the levers (precision, sparsity) first",
         )
     try:
         return make_plan(chain, method, activation_budget)
     except BudgetTooSmallError as err:
         raise BudgetTooSmallError(
-            total, fixed + err.minimum_bytes, method, "total training-step peak"
+            total, held + err.minimum_bytes, method, "total training-step peak"
         ) from None
 
 
@@ -274,34 +328,50 @@ def total_peak_bytes(
     grad_rise_bytes: Sequence[int] | None = None,
     segment_state_bytes: int | None = None,
     optimizer_step_bytes: int = 0,
+    output_held_bytes: int = 0,
 ) -> int:
-    """The whole step's predicted peak: ``persistent`` bytes (parameters, buffers, optimizer
-    state) + the parameter gradients made so far + the plan's live activation bytes, maximised
-    over the simulated timeline, + ``segment_state_bytes`` per checkpointed segment (default:
-    the CPU RNG state, :func:`checkpoint_state_bytes`, that the executor's checkpoints keep to
-    replay dropout; counted for every segment at once, an upper bound of a few KiB each). A stage's gradients count from its first backward on: during
-    that backward they add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`:
-    a weight gradient is often made after the backward's activation peak), after it all of
-    ``grad_bytes[i]``; without ``grad_rise_bytes``, all of it during the backward too. The
-    step ends with the optimizer step: every gradient, the batch and ``optimizer_step_bytes``
-    of its temporaries (:func:`remat.profile.optimizer_costs`)."""
+    """The whole step's predicted peak (:func:`remat.step.step_peak` over the chain's simulated
+    timeline): ``persistent`` bytes (parameters, buffers, optimizer state) + the model output
+    the loop holds (``output_held_bytes``, :mod:`remat.step`) + the parameter gradients made so
+    far + the plan's live activation bytes, maximised over the simulated timeline, +
+    ``segment_state_bytes`` per checkpointed segment (default: the CPU RNG state,
+    :func:`checkpoint_state_bytes`, that the executor's checkpoints keep to replay dropout;
+    counted for every segment at once during the forward and backward, an upper bound of a few
+    KiB each). A stage's gradients count from its first backward on: during that backward they
+    add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`: a weight gradient is
+    often made after the backward's activation peak), after it all of ``grad_bytes[i]``;
+    without ``grad_rise_bytes``, all of it during the backward too. The step ends with the
+    optimizer step: every gradient, the batch, the held output and ``optimizer_step_bytes`` of
+    its temporaries (:func:`remat.profile.optimizer_costs`)."""
+    costs = StepCosts(
+        persistent_bytes=persistent,
+        grad_bytes=tuple(grad_bytes),
+        grad_rise_bytes=tuple(grad_rise_bytes or ()),
+        optimizer_step_bytes=optimizer_step_bytes,
+        output_held_bytes=output_held_bytes,
+        input_bytes=chain.input_bytes,
+    )
+    return chain_step_peak(chain, plan, costs, segment_state_bytes)
+
+
+def chain_step_peak(
+    chain: Chain, plan: Plan, costs: StepCosts, segment_state_bytes: int | None = None
+) -> int:
+    """:func:`remat.step.step_peak` of ``plan`` on ``chain`` (the chain's simulated timeline),
+    with ``segment_state_bytes`` (default :func:`checkpoint_state_bytes`) per checkpointed
+    segment."""
     if segment_state_bytes is None:
         segment_state_bytes = checkpoint_state_bytes()
     segments = sum(1 for seg in plan.for_chain(chain).walk() if seg.checkpoint)
-    persistent += segments * segment_state_bytes
-    rise = list(grad_bytes) if not grad_rise_bytes else list(grad_rise_bytes)
-    made = [False] * chain.n
-    grads = 0
-    peak = 0
-    for event in simulate(chain, plan).timeline:
-        if event.op == "B" and not made[event.stage - 1]:
-            made[event.stage - 1] = True
-            peak = max(peak, persistent + grads + rise[event.stage - 1] + event.peak_bytes)
-            grads += grad_bytes[event.stage - 1]
-            peak = max(peak, persistent + grads + event.live_bytes)
-            continue
-        peak = max(peak, persistent + grads + event.peak_bytes)
-    return max(peak, persistent + sum(grad_bytes) + chain.input_bytes + optimizer_step_bytes)
+    return step_peak(chain_timeline(chain, plan), costs, segments * segment_state_bytes)
+
+
+def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
+    """The simulated timeline of ``plan`` as :class:`remat.step.StepEvent` (0-based stages)."""
+    return [
+        StepEvent(e.op == "B", e.stage - 1, e.peak_bytes, e.live_bytes)
+        for e in simulate(chain, plan).timeline
+    ]
 
 
 def checkpoint_state_bytes() -> int:
@@ -316,10 +386,12 @@ def predicted_step_peak_bytes(
     captured: Captured,
     plan: Plan,
     optimizer: torch.optim.Optimizer | None = None,
+    loop: str = "loss-only",
 ) -> int:
     """The whole training step's predicted peak for ``plan`` on a model captured by
     :func:`remat.capture.capture` (:func:`total_peak_bytes` with the model's fixed bytes and,
-    with an optimizer, its step's temporaries); compare it with
+    with an optimizer, its step's temporaries; with ``loop="output-held"`` the model output the
+    loop keeps, :data:`remat.step.LOOPS`); compare it with
     :func:`remat.measure.step_peak_bytes` of the planned step."""
     from remat.profile import optimizer_costs
 
@@ -333,28 +405,24 @@ def predicted_step_peak_bytes(
         grads,
         captured.grad_rise_bytes,
         optimizer_step_bytes=step_bytes,
+        output_held_bytes=output_held_bytes(loop, captured.output_bytes),
     )
 
 
-def _largest_fitting_plan(
-    chain: Chain,
-    persistent: int,
-    grad_bytes: list[int],
-    total: int,
-    method: str,
-    grad_rise_bytes: Sequence[int] | None = None,
-) -> Plan:
-    """The plan whose whole-step peak (:func:`total_peak_bytes`) fits ``total``, each candidate
+def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: str) -> Plan:
+    """The plan whose whole-step peak (:func:`chain_step_peak`) fits ``total``, each candidate
     checked exactly.
 
-    If the plan made for the activation budget ``total - persistent`` fits, it is the answer
-    (no fitting plan keeps more activations). Otherwise, for ``optimal-time``, the fastest
-    fitting plan among the Pareto plans of a fixed grid of activation budgets (one DP table,
-    :func:`remat.planners.optimal_time.sweep`), the flat plans of the other planners, and the
-    plans of a binary search on the activation budget: the step's peak is not a monotone
-    function of the activation peak (a parameter gradient made early in the backward can meet
-    a recomputation), so the largest activation budget that fits is not always the fastest
-    plan. For other planners: the binary search's largest fitting activation budget."""
+    If the plan made for the activation budget ``total - costs.held_bytes`` fits, it is the
+    answer (no fitting plan keeps more activations). Otherwise, for ``optimal-time``, the
+    fastest fitting plan among the Pareto plans of a fixed grid of activation budgets (one DP
+    table, :func:`remat.planners.optimal_time.sweep`), the flat plans of the other planners,
+    and the plans of a binary search on the activation budget: the step's peak is not a
+    monotone function of the activation peak (a parameter gradient made early in the backward
+    can meet a recomputation), so the largest activation budget that fits is not always the
+    fastest plan. For other planners: the binary search's largest fitting activation budget.
+    When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
+    the error names its whole-step peak, a budget this function accepts."""
     from remat.api import plan as make_plan
     from remat.planners import BudgetTooSmallError
 
@@ -365,14 +433,13 @@ def _largest_fitting_plan(
             candidate = make_plan(chain, method, activation_budget)
         except BudgetTooSmallError:
             return None
-        predicted = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
-        ok = predicted <= total
+        ok = chain_step_peak(chain, candidate, costs) <= total
         if ok:
             pool.append(candidate)
         return candidate if ok else None
 
-    lo = max(0, total - persistent - sum(grad_bytes))  # the safe reading
-    hi = max(lo, total - persistent)
+    lo = max(0, total - costs.fixed_bytes)  # the safe reading
+    hi = max(lo, total - costs.held_bytes)
     best = fits(hi)
     if best is not None:
         return best
@@ -388,22 +455,42 @@ def _largest_fitting_plan(
             hi = mid
     if method == "optimal-time":
         for candidate in _optimal_time_candidates(chain):
-            peak = total_peak_bytes(chain, candidate, persistent, grad_bytes, grad_rise_bytes)
-            if peak <= total:
+            if chain_step_peak(chain, candidate, costs) <= total:
                 pool.append(candidate)
         if pool:
             timed = [(simulate(chain, p).total_time, p) for p in pool]
             best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
-        need = persistent + sum(grad_bytes) + _least_activation_peak(chain, method)
+        least, need = _least_step_peak(chain, method, costs)
+        if need <= total:
+            return least
+        output = (
+            f" and the output the loop holds {format_bytes(costs.output_held_bytes)}"
+            if costs.output_held_bytes
+            else ""
+        )
         raise BudgetTooSmallError(
             total,
             need,
             method,
-            f"parameters, buffers and optimizer state take {format_bytes(persistent)} and "
-            f"parameter gradients {format_bytes(sum(grad_bytes))}",
+            f"parameters, buffers and optimizer state take {format_bytes(costs.persistent_bytes)}"
+            f", parameter gradients {format_bytes(sum(costs.grad_bytes))}{output}",
         )
     return best
+
+
+def _least_step_peak(chain: Chain, method: str, costs: StepCosts) -> tuple[Plan, int]:
+    """``method``'s least-activation plan (:func:`_least_activation_peak`) and its whole-step
+    peak: a budget :func:`_largest_fitting_plan` always accepts (checkpoint RNG states, the
+    held output and the optimizer step included)."""
+    from remat.api import plan as make_plan
+    from remat.planners.optimal_time import min_feasible_peak
+
+    if method == "optimal-time":
+        least = make_plan(chain, method, min_feasible_peak(chain))
+    else:
+        least = make_plan(chain, method, None)
+    return least, chain_step_peak(chain, least, costs)
 
 
 GRID_POINTS = 16
@@ -508,21 +595,23 @@ def _auto_graph(
     budget: int | str | None,
     optimizer: torch.optim.Optimizer | None,
     why: str,
+    loop: str = "output-held",
 ) -> tuple[nn.Module, AutoSummary]:
     """:func:`auto` for a model that is not a chain: capture its module graph, plan it with
     ``checkmate-milp`` under the activation budget, or, without a budget, take Re-forwarding's
     least-memory plan when it costs at most one extra forward (else the unplanned one), and run
     it with the graph executor (docs/graph-executor.md).
 
-    With a budget, the MILP first gets ``budget`` minus the parameters, buffers and optimizer
-    state (parameter gradients appear during the backward); the whole step's peak of its plan
-    is then checked exactly (:func:`remat.graphs.simulate_step_peak`, gradients as the backward
-    makes them) and, if it does not fit, the MILP plans again with every gradient counted as
-    live all step (the safe reading)."""
+    With a budget, the MILP first gets ``budget`` minus the parameters, buffers, optimizer
+    state and the output the loop holds (parameter gradients appear during the backward); the
+    whole step's peak of its plan is then checked exactly
+    (:func:`remat.graphs.graph_step_peak`, gradients as the backward makes them) and, if it
+    does not fit, the MILP plans again with every gradient counted as live all step (the safe
+    reading)."""
     import warnings
 
     from remat.capture import _model_arguments
-    from remat.graphs import GraphPlan, plan_graph, simulate_graph, simulate_step_peak
+    from remat.graphs import GraphPlan, graph_step_peak, plan_graph, simulate_graph
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
     from remat.planners import BudgetTooSmallError
@@ -537,32 +626,36 @@ def _auto_graph(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
 
-    def step_peak_of(trace: Any) -> tuple[Callable[[GraphPlan], int], int]:
-        """The whole step's peak of a plan for ``trace``, and the optimizer step's."""
-        graph = trace.graph
+    def costs_of(trace: Any) -> StepCosts:
         grads = list(trace.param_grad_bytes)
-        persistent = fixed - sum(grads)
-        # the optimizer step: every gradient, the batch and the step's temporaries (no plan)
-        optimizer_phase = fixed + graph.input_bytes + step_bytes if optimizer is not None else 0
-
-        def step_peak(plan: GraphPlan) -> int:
-            return max(simulate_step_peak(graph, plan, persistent, grads), optimizer_phase)
-
-        return step_peak, optimizer_phase
+        return StepCosts(
+            persistent_bytes=fixed - sum(grads),
+            grad_bytes=tuple(grads),
+            optimizer_step_bytes=step_bytes,
+            output_held_bytes=output_held_bytes(loop, trace.output_bytes),
+            input_bytes=trace.graph.input_bytes,
+            slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
+        )
 
     def plan_traced(trace: Any, spec: int | float | str | None) -> tuple[Any, ...]:
         """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
         graph = trace.graph
-        persistent = fixed - sum(trace.param_grad_bytes)
-        step_peak, optimizer_phase = step_peak_of(trace)
+        costs = costs_of(trace)
+        held = costs.fixed_bytes  # parameters, gradients, buffers, state, held output, slack
+
+        def step_peak(plan: GraphPlan) -> int:
+            return graph_step_peak(graph, plan, costs)
+
         unplanned = step_peak(GraphPlan.none())
         total = None if spec is None else resolve_budget(spec, unplanned)
+        # the optimizer step: every gradient, the batch and the step's temporaries (no plan)
+        optimizer_phase = costs.optimizer_phase_bytes
         if total is not None and step_bytes and optimizer_phase > total:
             # named minimum: feasible with every gradient counted live (reforward's least peak)
             least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
             raise _optimizer_step_too_large(
                 total,
-                max(optimizer_phase, fixed + least),
+                max(optimizer_phase, held + least),
                 "checkmate-milp",
                 optimizer_phase,
                 step_bytes,
@@ -577,19 +670,19 @@ def _auto_graph(
         else:
             method = "checkmate-milp"
             chosen = None
-            if total - persistent > 0:
+            if total - costs.held_bytes > 0:
                 try:
-                    first = plan_graph(graph, method, total - persistent)
+                    first = plan_graph(graph, method, total - costs.held_bytes)
                     chosen = first if step_peak(first) <= total else None
                 except BudgetTooSmallError:
                     chosen = None
             if chosen is None:
                 try:
-                    chosen = plan_graph(graph, method, max(0, total - fixed))
+                    chosen = plan_graph(graph, method, max(0, total - held))
                 except BudgetTooSmallError as err:
                     raise BudgetTooSmallError(
                         total,
-                        fixed + err.minimum_bytes,
+                        held + err.minimum_bytes,
                         method,
                         "total training-step peak (graph)",
                     ) from None
@@ -602,7 +695,8 @@ def _auto_graph(
 
     def measure_loss() -> tuple[int, int]:
         proxy = trace_graph(model, _model_arguments(model, loss_fn, batch), call_loss, "module")
-        return unplanned - step_peak_of(proxy)[0](GraphPlan.none()), proxy.graph.input_bytes
+        proxy_unplanned = graph_step_peak(proxy.graph, GraphPlan.none(), costs_of(proxy))
+        return unplanned - proxy_unplanned, proxy.graph.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
@@ -618,7 +712,19 @@ def _auto_graph(
     planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
     none = simulate_graph(graph, GraphPlan.none())
-    summary = AutoSummary.of(method, chosen, graph, total, fixed, sim, none, peak, unplanned)
+    summary = AutoSummary.of(
+        method,
+        chosen,
+        graph,
+        total,
+        fixed,
+        sim,
+        none,
+        peak,
+        unplanned,
+        loop=loop,
+        output_held_bytes=costs_of(trace).output_held_bytes,
+    )
     return planned, summary
 
 
@@ -688,6 +794,7 @@ def auto(
     method: str = "optimal-time",
     optimizer: torch.optim.Optimizer | None = None,
     stages: list[str] | None = None,
+    loop: str = "output-held",
 ) -> tuple[nn.Module, AutoSummary]:
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
@@ -702,11 +809,26 @@ def auto(
     with); a training call with other input shapes re-plans for them under the same budget and
     planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
     the minimum for that shape.
+
+    ``loop`` is the training loop the budget must hold for (:data:`remat.step.LOOPS`):
+
+    * ``"output-held"`` (default): the loop keeps the model's output through the backward and
+      the optimizer step, as PyTorch's own examples do
+      (``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``, or
+      ``out = model(**batch); out.loss.backward()``, which keeps ``out.logits``); its bytes
+      (measured at capture: the logits of a language model) are counted for the whole step;
+    * ``"loss-only"``: the loop keeps only the loss (``loss = crit(model(x), y)``,
+      ``loss = model(**batch).loss``, ``loss = loss_fn(model, batch)``); the output is freed
+      once the loss is computed. A budget made for it is exceeded by a loop that holds the
+      output.
+
+    The summary says which loop was assumed.
     """
     from remat.capture import _model_arguments, capture
     from remat.profile import default_loss_fn, optimizer_costs
     from remat.runtime import apply, call_loss
 
+    check_loop(loop)
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     try:
@@ -714,24 +836,39 @@ def auto(
     except UnsupportedModelError as err:
         if stages is not None:
             raise
-        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err))
+        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
-    rises = captured.grad_rise_bytes
-    persistent = fixed - sum(grads)
+    slack = SCRATCH_MIN_BYTES  # allocator-only bytes no capture counts (wrapped scalars)
+
+    def costs_of(new: Captured) -> StepCosts:
+        return StepCosts(
+            persistent_bytes=fixed - sum(grads),
+            grad_bytes=tuple(grads),
+            grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
+            optimizer_step_bytes=step_bytes,
+            output_held_bytes=output_held_bytes(loop, new.output_bytes),
+            input_bytes=new.chain.input_bytes,
+            slack_bytes=slack,
+        )
 
     def unplanned_peak(new: Captured) -> int:
-        none = Plan.none(new.chain)
-        return total_peak_bytes(
-            new.chain, none, persistent, grads, new.grad_rise_bytes, optimizer_step_bytes=step_bytes
-        )
+        return chain_step_peak(new.chain, Plan.none(new.chain), costs_of(new))
 
     def plan_captured(new: Captured, spec: int | float | str | None) -> tuple[Plan, int | None]:
         total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
         plan = plan_for_total_budget(
-            new.chain, fixed, total, method, grads, new.grad_rise_bytes, step_bytes
+            new.chain,
+            fixed,
+            total,
+            method,
+            grads,
+            new.grad_rise_bytes,
+            step_bytes,
+            output_held_bytes(loop, new.output_bytes),
+            slack,
         )
         return plan, total
 
@@ -765,7 +902,9 @@ def auto(
         fixed,
         sim,
         none,
-        total_peak_bytes(chain, chosen, persistent, grads, rises, optimizer_step_bytes=step_bytes),
+        chain_step_peak(chain, chosen, costs_of(captured)),
         unplanned_peak(captured),
+        loop=loop,
+        output_held_bytes=costs_of(captured).output_held_bytes,
     )
     return planned, summary

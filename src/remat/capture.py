@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.costs import Chain
 from remat.guards import BatchCopy, _versions, in_place_input_error
-from remat.measure import AllocatorWindow, scratch_bytes
+from remat.measure import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
 from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 from remat.stages import Stages, split_stages
 
@@ -100,6 +100,10 @@ class Captured:
     """Per stage, how much the parameter gradients its backward makes raise that backward's
     peak (0 when they appear after it, at most their size when they are all live at it). The
     whole-step prediction (:func:`remat.auto.total_peak_bytes`) uses it; empty when unknown."""
+    output_bytes: int = 0
+    """Unique bytes of what the model returns (``Stages.finish``: e.g. the logits, and a Hugging
+    Face model's loss), parameters, buffers and the batch excluded: what a training loop that
+    holds the output keeps through the step (:class:`remat.step.StepCosts`)."""
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,22 @@ def capture(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
+    with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure
+        return _capture(model, batch, loss_fn, split, fake, repeats, progress)
+
+
+def _capture(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    split: Stages,
+    fake: bool,
+    repeats: int,
+    progress: bool,
+) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            chain, rises = _measure_chain(
+            chain, rises, output = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress
             )
     else:
@@ -168,7 +185,7 @@ def capture(
         private = BatchCopy(batch)  # the model may write into its input: never the caller's
         try:
             with torch.random.fork_rng(devices=devices):
-                chain, rises = _measure_chain(
+                chain, rises, output = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress
                 )
         finally:
@@ -177,7 +194,7 @@ def capture(
                     b.copy_(saved)
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split, rises)
+    return Captured(chain, split, rises, output)
 
 
 # ---------------------------------------------------------------------- implementation
@@ -256,7 +273,7 @@ def _measure_chain(
     fake: bool,
     repeats: int,
     progress: bool,
-) -> tuple[Chain, tuple[int, ...]]:
+) -> tuple[Chain, tuple[int, ...], int]:
     from tqdm.auto import tqdm
 
     args, kwargs = _model_arguments(model, loss_fn, batch)
@@ -266,11 +283,13 @@ def _measure_chain(
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
     input_bytes = sum(outside.values())
+    skip = fixed | outside
     params = list(model.parameters())
     for p in params:
         p.grad = None
     costs: list[StageCost] = []
     outs: list[int] = []
+    held: list[int] = []  # the model's output (what finish returns), measured once
     x = a0
     n = split.n
     bar = tqdm(total=n, desc="measuring stages", unit="stage", disable=not progress, leave=False)
@@ -286,7 +305,11 @@ def _measure_chain(
                         calls.append(None)
                         if len(calls) > 1:  # the chain is one forward of the model
                             raise ValueError(ONE_MODEL_CALL)
-                        return split.finish(module(inp), *a, **k)
+                        out = split.finish(module(inp), *a, **k)
+                        if not held:
+                            new = _keys(output_tensors(out))
+                            held.append(sum(v for key, v in new.items() if key not in skip))
+                        return out
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
             else:
@@ -339,7 +362,7 @@ def _measure_chain(
         time_unit="flop" if fake else "s",
         stages_fingerprint=split.fingerprint,
     )
-    return chain, tuple(c.grad_rise_bytes for c in costs)
+    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else 0
 
 
 def measure_stage(

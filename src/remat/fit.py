@@ -685,12 +685,9 @@ class _Search:
         grads = self.grad_bytes
         total_grads = sum(grads)
         all_live = k > 1 or self.optimizer is None
-        optimizer_phase = self.persistent_bytes + total_grads + self.batch_bytes
-        optimizer_phase += self.optimizer_step_bytes
 
         def peak(p: Plan) -> int:
-            step = self._step_peak(chain, p, persistent, all_live)
-            return max(optimizer_phase, step + self._checkpoint_bytes(p))
+            return self._step_peak(chain, p, persistent, all_live, self._example_bytes(k))
 
         # the least-activation plan, or storing everything when the executor's own bytes per
         # checkpoint (RNG states) outweigh the activations it saves (tiny microbatches)
@@ -722,22 +719,27 @@ class _Search:
             chain=chain,
         )
 
-    def _step_peak(self, chain: Chain, p: Plan, persistent: int, all_live: bool) -> int:
-        """NOTE [ Gradients that accumulate ]: when ``.grad`` already holds every parameter's
-        gradient (the second microbatch on; a step without an optimizer), a stage's backward
-        still makes its new gradients as temporaries before adding them in place, so during
-        stage i's backward up to ``grad_bytes[i]`` more bytes are live."""
-        from remat.auto import total_peak_bytes
-        from remat.simulate import simulate
+    def _step_peak(
+        self, chain: Chain, p: Plan, persistent: int, all_live: bool, example_bytes: int
+    ) -> int:
+        """The whole step's peak (:func:`remat.step.step_peak`, the model auto shares):
+        ``persistent`` (state and the batch beyond the microbatch) + the gradients, as the
+        backward makes them, or all live from the start when ``all_live`` (NOTE [ Gradients
+        that accumulate ]: the second microbatch on; a step without an optimizer) + the plan's
+        activations and checkpoint RNG states; and the optimizer step. :meth:`FitSetup.step`
+        computes the loss inside the microbatcher and keeps only it: no model output is held
+        (``loop="loss-only"``)."""
+        from remat.auto import chain_timeline
+        from remat.step import StepCosts, step_peak
 
-        if not all_live:
-            return total_peak_bytes(chain, p, persistent, self.grad_bytes)
-        grads = self.grad_bytes
-        top = max(
-            e.peak_bytes + (grads[e.stage - 1] if e.op == "B" else 0)
-            for e in simulate(chain, p).timeline
+        costs = StepCosts(
+            persistent_bytes=persistent,
+            grad_bytes=tuple(self.grad_bytes),
+            optimizer_step_bytes=self.optimizer_step_bytes,
+            input_bytes=example_bytes,
+            grads_live=all_live,
         )
-        return persistent + sum(grads) + top
+        return step_peak(chain_timeline(chain, p), costs, self._checkpoint_bytes(p))
 
     def _checkpoint_bytes(self, p: Plan) -> int:
         """What the executor keeps per checkpointed segment beyond the chain's tensors: the

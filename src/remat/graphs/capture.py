@@ -94,7 +94,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.graphs.graph import Graph, Node
 from remat.guards import BatchCopy, check_no_own_checkpointing
-from remat.measure import scratch_bytes
+from remat.measure import garbage_collected, output_tensors, scratch_bytes
 from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
@@ -178,6 +178,10 @@ class GraphTrace:
     (a parameter's gradient is made by the backward of the last node that reads it, and lives
     to the end of the step): :func:`remat.graphs.simulate.simulate_step_peak` adds them to
     predict the whole step's peak."""
+    output_bytes: int = field(default=0)
+    """Unique bytes of what the model's forward returned (parameters, buffers and the batch
+    excluded): what a training loop that holds the output keeps through the step
+    (:class:`remat.step.StepCosts`)."""
 
 
 def capture_graph(
@@ -251,7 +255,7 @@ def trace_levels(
                 "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
             ) from err
     private = BatchCopy(batch)  # the model may write into its input: never the caller's
-    with _preserved(model):
+    with _preserved(model), garbage_collected():  # NOTE [ Collect before measuring ]
         state = _record(model, private.batch, loss_fn, costs, flops=False)
         if costs:
             _time_calls(model, private, loss_fn, state, repeats)
@@ -310,6 +314,8 @@ class _State:
     real_saved: dict[int, int] = field(default_factory=dict)
     stray_saves: int = 0
     dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
+    output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
+    batch_ids: set[int] = field(default_factory=set)
 
     def scope(self) -> str:
         if not self.inside:
@@ -336,6 +342,17 @@ def _key(st: _State, t: torch.Tensor) -> int:
         st.next_key += 1
         key = st.serials[storage] = st.next_key
     return key
+
+
+def _output_bytes(st: _State, out: Any) -> int:
+    """Bytes of the tensors in ``out`` that are not parameters, buffers or the batch (each
+    tensor once; from its shape alone: touching its storage here perturbs the tracker)."""
+    fixed = {id(t) for t in (*st.root.parameters(), *st.root.buffers())}
+    seen: dict[int, int] = {}
+    for t in output_tensors(out):
+        if id(t) not in fixed and id(t) not in st.batch_ids:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -535,6 +552,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor):
             st.batch_keys[_key(st, t)] = _nbytes(t)
+            st.batch_ids.add(id(t))
             st.known[_key(st, t)] = _nbytes(t)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -564,6 +582,8 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             st.stack.pop()
         if module is model:
             st.inside -= 1
+            with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
+                st.output_bytes = _output_bytes(st, out)
 
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -1105,6 +1125,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         saved_constant_bytes=const_bytes,
         real_saved_bytes=sum(st.real_saved.values()),
         param_grad_bytes=tuple(param_grads),
+        output_bytes=st.output_bytes,
     )
 
 

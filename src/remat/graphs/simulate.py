@@ -47,10 +47,12 @@ from dataclasses import dataclass
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.simulate import register_simulator
+from remat.step import StepCosts, StepEvent, step_peak
 
 __all__ = [
     "simulate_graph",
     "simulate_step_peak",
+    "graph_step_peak",
     "lower_plan",
     "run_schedule",
     "GraphSimulation",
@@ -159,25 +161,38 @@ def simulate_step_peak(
     fixed_bytes: int,
     param_grad_bytes: Sequence[int],
     order: Sequence[int] | None = None,
+    output_held_bytes: int = 0,
 ) -> int:
     """The whole training step's peak: ``fixed_bytes`` (parameters, buffers, optimizer state:
-    whatever lives all step besides ``graph.input_bytes``) + the parameter gradients made so far
-    + the plan's live bytes, maximised over the simulated timeline. ``param_grad_bytes[v]`` (from
+    whatever lives all step besides ``graph.input_bytes``) + ``output_held_bytes`` (the model
+    output the training loop keeps, :mod:`remat.step`) + the parameter gradients made so far +
+    the plan's live bytes, maximised over the simulated timeline. ``param_grad_bytes[v]`` (from
     :attr:`remat.graphs.capture.GraphTrace.param_grad_bytes`) is counted from the backward of
     ``v`` on, during that backward too. Compare with :func:`remat.measure.step_peak_bytes` of a
     step that starts with no parameter gradient (``fixed_bytes`` then excludes them).
+    :func:`graph_step_peak` with :class:`remat.step.StepCosts` adds the optimizer step.
     """
-    if len(param_grad_bytes) != graph.n:
+    costs = StepCosts(
+        persistent_bytes=fixed_bytes,
+        grad_bytes=tuple(param_grad_bytes),
+        output_held_bytes=output_held_bytes,
+    )
+    return graph_step_peak(graph, plan, costs, order)
+
+
+def graph_step_peak(
+    graph: Graph, plan: GraphPlan, costs: StepCosts, order: Sequence[int] | None = None
+) -> int:
+    """:func:`remat.step.step_peak` of ``plan`` over the graph's simulated timeline
+    (``costs.grad_bytes`` per node)."""
+    if len(costs.grad_bytes) != graph.n:
         raise ValueError(
-            f"param_grad_bytes has {len(param_grad_bytes)} entries; the graph has {graph.n} nodes"
+            f"param_grad_bytes has {len(costs.grad_bytes)} entries; the graph has {graph.n} nodes"
         )
-    grads = 0
-    peak = 0
-    for event in simulate_graph(graph, plan, order).timeline:
-        if event.op == "B":
-            grads += param_grad_bytes[event.node]
-        peak = max(peak, grads + event.peak_bytes)
-    return fixed_bytes + peak
+    timeline = simulate_graph(graph, plan, order).timeline
+    return step_peak(
+        (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline), costs
+    )
 
 
 def lower_plan(
