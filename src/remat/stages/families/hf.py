@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -367,20 +367,13 @@ LLAMA = Decoder(
     output="CausalLMOutputWithPast",
 )
 
-MISTRAL = Decoder(
+MISTRAL = replace(
+    LLAMA,
     kind="mistral",
     module="transformers.models.mistral.modeling_mistral",
     lm_class="MistralForCausalLM",
     base_class="MistralModel",
-    base="model",
-    blocks="layers",
-    norm="norm",
     embedding=_rotary_embedding(_causal_or_sliding_mask),
-    call_block=_rotary_block,
-    inputs=_rotary_inputs,
-    positional=_ROTARY_POSITIONAL,
-    allowed=_ALLOWED,
-    output="CausalLMOutputWithPast",
 )
 
 DECODERS: tuple[Decoder, ...] = (GPT2, LLAMA, MISTRAL)
