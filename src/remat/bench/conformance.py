@@ -182,8 +182,8 @@ def _t5() -> Built:
         d_model=32,
         d_kv=8,
         d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
+        num_layers=1,
+        num_decoder_layers=1,
         num_heads=4,
         dropout_rate=0.0,
         decoder_start_token_id=0,
@@ -225,7 +225,9 @@ def _lora() -> Built:
         max_position_embeddings=64,
     )()
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+    )
     built.model = peft.get_peft_model(built.model, config).train()
     return built
 
@@ -234,16 +236,24 @@ def _lora() -> Built:
 IMG = 32
 
 
-def _images(size: int = IMG, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(BATCH, 3, size, size, generator=_gen())
-    return x, torch.randint(0, classes, (BATCH,), generator=_gen(1))
+def _images(
+    size: int = IMG, batch: int = BATCH, classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch, 3, size, size, generator=_gen())
+    return x, torch.randint(0, classes, (batch,), generator=_gen(1))
 
 
-def _classifier(factory: Callable[[], nn.Module], size: int = IMG) -> Callable[[], Built]:
+def _classifier(
+    factory: Callable[[], nn.Module], size: int = IMG, batch: int = BATCH
+) -> Callable[[], Built]:
+    """A classifier on ``batch`` images of ``size``²; CNNs get 64² x 8 so that activations,
+    not parameters, make most of the step's peak (else no budget lies between the least
+    plannable peak and the eager one)."""
+
     def make() -> Built:
         torch.manual_seed(0)
         model = factory().train()
-        x, y = _images(size)
+        x, y = _images(size, batch)
         return Built(model, x, y, _ce)
 
     return make
@@ -280,27 +290,76 @@ def _tv_swin() -> nn.Module:
     from torchvision.models.swin_transformer import SwinTransformer
 
     return SwinTransformer(
-        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4],
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[1, 2],
+        window_size=[4, 4],
         num_classes=10,
     )
 
 
-def _tv_resnet_frozen() -> nn.Module:
-    import torchvision
+def _tv_efficientnet() -> nn.Module:
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
 
-    model = torchvision.models.resnet18(weights=None, num_classes=10)
-    for module in (model.conv1, model.bn1, model.layer1, model.layer2):
+    setting = [
+        MBConvConfig(1, 3, 1, 16, 16, 1),
+        MBConvConfig(4, 3, 2, 16, 24, 2),
+        MBConvConfig(4, 5, 2, 24, 32, 1),
+    ]
+    return EfficientNet(
+        setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=10, last_channel=64
+    )
+
+
+def _tv_regnet() -> nn.Module:
+    from torchvision.models.regnet import BlockParams, RegNet
+
+    params = BlockParams.from_init_params(depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8)
+    return RegNet(params, num_classes=10, stem_width=16)
+
+
+def _tiny_mobilenet_v3(dilated: bool = False) -> nn.Module:
+    from functools import partial
+
+    from torchvision.models.mobilenetv3 import InvertedResidualConfig, MobileNetV3
+
+    cfg = partial(InvertedResidualConfig, width_mult=1.0)
+    d = 2 if dilated else 1
+    setting = [
+        cfg(16, 3, 16, 16, True, "RE", 2, 1),
+        cfg(16, 3, 48, 24, False, "RE", 2, 1),
+        cfg(24, 3, 64, 24, False, "RE", 1, 1),
+        cfg(24, 5, 72, 32, True, "HS", 2, 1),
+        cfg(32, 5, 96, 32, True, "HS", 1, d),
+    ]
+    return MobileNetV3(setting, last_channel=128, num_classes=10)
+
+
+def _tv_resnet10() -> nn.Module:
+    """torchvision's ResNet with one BasicBlock per stage (resnet18 has two): at 64² x 8,
+    resnet18's 11 M parameters make most of the step (auto's least plannable peak lies above
+    the eager step's measured one, FINDINGS.md)."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
+
+
+def _tv_resnet_frozen() -> nn.Module:
+    model = _tv_resnet10()
+    for module in (model.conv1, model.bn1, model.layer1):
         module.requires_grad_(False)
     return model
 
 
 def _lraspp() -> Built:
-    import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-        weights=None, weights_backbone=None, num_classes=3
-    ).train()
+    from torchvision.models.segmentation.lraspp import _lraspp_mobilenetv3
+
+    # lraspp_mobilenet_v3_large's head on a 5-block MobileNetV3 (the stock backbone's 139-node
+    # graph takes the MILP over a minute)
+    model = _lraspp_mobilenetv3(_tiny_mobilenet_v3(dilated=True), num_classes=3).train()
     x = torch.randn(BATCH, 3, 64, 64, generator=_gen())
     y = torch.randint(0, 3, (BATCH, 64, 64), generator=_gen(1))
     return Built(model, x, y, _seg_ce)
@@ -362,9 +421,13 @@ def _nested(path: str) -> Callable[[nn.Module], list[nn.Module]]:
 
     def blocks(model: nn.Module) -> list[nn.Module]:
         out: list[nn.Module] = []
+        from torchvision.ops.misc import ConvNormActivation
+
         for child in model.get_submodule(path).children():
             kids = list(child.children())
-            if isinstance(child, nn.Sequential) and kids:
+            # a stage of blocks, not a conv-norm-activation (whose in-place activation cannot
+            # be checkpointed apart from its norm)
+            if isinstance(child, nn.Sequential) and not isinstance(child, ConvNormActivation):
                 out.extend(kids)
             else:
                 out.append(child)
@@ -401,41 +464,74 @@ MODELS: dict[str, ModelEntry] = {
             "hf-gpt2",
             "decoder LM",
             _causal_lm(
-                "GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2,
-                n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                "GPT2LMHeadModel",
+                "GPT2Config",
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             ),
         ),
-        ModelEntry("hf-llama", "decoder LM", _causal_lm("LlamaForCausalLM", "LlamaConfig",
-                                                        **LLAMA_LIKE)),
-        ModelEntry("hf-mistral", "decoder LM", _causal_lm("MistralForCausalLM", "MistralConfig",
-                                                          **LLAMA_LIKE)),
-        ModelEntry("hf-qwen2", "decoder LM", _causal_lm("Qwen2ForCausalLM", "Qwen2Config",
-                                                        **LLAMA_LIKE)),
+        ModelEntry(
+            "hf-llama", "decoder LM", _causal_lm("LlamaForCausalLM", "LlamaConfig", **LLAMA_LIKE)
+        ),
+        ModelEntry(
+            "hf-mistral",
+            "decoder LM",
+            _causal_lm("MistralForCausalLM", "MistralConfig", **LLAMA_LIKE),
+        ),
+        ModelEntry(
+            "hf-qwen2", "decoder LM", _causal_lm("Qwen2ForCausalLM", "Qwen2Config", **LLAMA_LIKE)
+        ),
         ModelEntry(
             "hf-opt",
             "decoder LM",
             _causal_lm(
-                "OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
-                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                "OPTForCausalLM",
+                "OPTConfig",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                word_embed_proj_dim=32,
+                dropout=0.0,
+                attention_dropout=0.0,
             ),
         ),
         # encoders
-        ModelEntry("hf-bert", "encoder", _seq_cls("BertForSequenceClassification", "BertConfig",
-                                                  **BERT_LIKE)),
+        ModelEntry(
+            "hf-bert",
+            "encoder",
+            _seq_cls("BertForSequenceClassification", "BertConfig", **BERT_LIKE),
+        ),
         ModelEntry(
             "hf-roberta",
             "encoder",
-            _seq_cls("RobertaForSequenceClassification", "RobertaConfig", **BERT_LIKE,
-                     pad_token_id=1),
+            _seq_cls(
+                "RobertaForSequenceClassification", "RobertaConfig", **BERT_LIKE, pad_token_id=1
+            ),
         ),
         ModelEntry(
             "hf-distilbert",
             "encoder",
             _seq_cls(
-                "DistilBertForSequenceClassification", "DistilBertConfig", vocab_size=VOCAB,
-                dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64,
-                dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0,
+                "DistilBertForSequenceClassification",
+                "DistilBertConfig",
+                vocab_size=VOCAB,
+                dim=32,
+                n_layers=2,
+                n_heads=4,
+                hidden_dim=64,
+                max_position_embeddings=64,
+                dropout=0.0,
+                attention_dropout=0.0,
+                seq_classif_dropout=0.0,
             ),
         ),
         # encoder-decoder
@@ -445,60 +541,89 @@ MODELS: dict[str, ModelEntry] = {
             "hf-vit",
             "vision transformer",
             _hf_image(
-                "ViTForImageClassification", "ViTConfig", 32, patch_size=8, hidden_size=32,
-                num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                "ViTForImageClassification",
+                "ViTConfig",
+                32,
+                patch_size=4,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
             ),
         ),
         ModelEntry(
             "hf-swin",
             "swin",
             _hf_image(
-                "SwinForImageClassification", "SwinConfig", 32, patch_size=4, embed_dim=16,
-                depths=[1, 1], num_heads=[1, 2], window_size=4, drop_path_rate=0.0,
+                "SwinForImageClassification",
+                "SwinConfig",
+                32,
+                patch_size=4,
+                embed_dim=16,
+                depths=[1, 1],
+                num_heads=[1, 2],
+                window_size=4,
+                drop_path_rate=0.0,
             ),
         ),
         ModelEntry(
             "timm-vit",
             "vision transformer",
-            _classifier(_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32,
-                              depth=2, num_heads=2)),
+            _classifier(
+                _timm(
+                    "vit_tiny_patch16_224",
+                    img_size=32,
+                    patch_size=4,
+                    embed_dim=32,
+                    depth=2,
+                    num_heads=2,
+                )
+            ),
             _attr_list("blocks"),
         ),
         ModelEntry(
             "timm-swin",
             "swin",
-            _classifier(_timm("swin_tiny_patch4_window7_224", img_size=32, window_size=4,
-                              embed_dim=16, depths=(1, 1), num_heads=(1, 2))),
+            _classifier(
+                _timm(
+                    "swin_tiny_patch4_window7_224",
+                    img_size=32,
+                    window_size=4,
+                    embed_dim=16,
+                    depths=(1, 1),
+                    num_heads=(1, 2),
+                )
+            ),
             lambda m: [b for layer in m.layers for b in layer.blocks],
         ),
         # CNNs
-        ModelEntry("timm-resnet", "CNN", _classifier(_timm("resnet10t")), _resnet_blocks),
+        ModelEntry("timm-resnet", "CNN", _classifier(_timm("resnet10t"), 64, 8), _resnet_blocks),
         ModelEntry(
             "timm-convnext",
             "CNN",
-            _classifier(_timm("convnext_atto")),
+            _classifier(_timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)), 64, 8),
             lambda m: [b for s in m.stages for b in s.blocks],
         ),
-        ModelEntry("tv-resnet18", "CNN", _classifier(_tv("resnet18", num_classes=10)),
-                   _resnet_blocks),
+        ModelEntry("tv-resnet10", "CNN", _classifier(_tv_resnet10, 64, 8), _resnet_blocks),
         ModelEntry(
             "tv-mobilenet_v3_small",
             "CNN",
-            _classifier(_tv("mobilenet_v3_small", num_classes=10)),
+            _classifier(_tv("mobilenet_v3_small", num_classes=10), 64, 8),
             _children_of("features"),
         ),
         ModelEntry(
-            "tv-efficientnet_b0",
+            "tv-efficientnet",
             "CNN",
-            _classifier(_tv("efficientnet_b0", num_classes=10)),
+            _classifier(_tv_efficientnet, 64, 8),
             _nested("features"),
         ),
-        ModelEntry("tv-convnext", "CNN", _classifier(_tv_convnext), _nested("features")),
+        ModelEntry("tv-convnext", "CNN", _classifier(_tv_convnext, 64, 8), _nested("features")),
         ModelEntry(
-            "tv-regnet_x_400mf",
+            "tv-regnet",
             "CNN",
-            _classifier(_tv("regnet_x_400mf", num_classes=10)),
+            _classifier(_tv_regnet, 64, 8),
             _nested("trunk_output"),
         ),
         ModelEntry("tv-swin", "swin", _classifier(_tv_swin), _nested("features")),
@@ -518,9 +643,9 @@ MODELS: dict[str, ModelEntry] = {
         # fine-tuning
         ModelEntry("peft-lora-llama", "fine-tuning (LoRA)", _lora),
         ModelEntry(
-            "tv-resnet18-frozen",
+            "tv-resnet10-frozen",
             "fine-tuning (frozen layers)",
-            _classifier(_tv_resnet_frozen),
+            _classifier(_tv_resnet_frozen, 64, 8),
             _resnet_blocks,
         ),
     ]
@@ -637,8 +762,9 @@ def _auto(loop: Loop, budget: int | None, opt: torch.optim.Optimizer) -> tuple[n
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return remat.auto(loop.module, loop.batch, loss_fn=loop.loss_fn, budget=budget,
-                          optimizer=opt)
+        return remat.auto(
+            loop.module, loop.batch, loss_fn=loop.loss_fn, budget=budget, optimizer=opt
+        )
 
 
 def _path(summary: Any) -> str:
@@ -758,8 +884,7 @@ def run_case(
             times = interleaved_times(
                 {
                     "remat": _step_fn(loop, planned, opt),
-                    "eager": _step_fn(eager_loop, eager_loop.module,
-                                      _optimizer(eager_built.model)),
+                    "eager": _step_fn(eager_loop, eager_loop.module, _optimizer(eager_built.model)),
                 },
                 repeats=5,
             )
@@ -807,8 +932,11 @@ FRACTIONS = (0.1, 0.5, 0.9)
 
 
 def run_model(
-    name: str, loops: tuple[str, ...] = LOOPS, fractions: tuple[float, ...] = FRACTIONS,
-    timed: bool = True, progress: Callable[[str], None] | None = None,
+    name: str,
+    loops: tuple[str, ...] = LOOPS,
+    fractions: tuple[float, ...] = FRACTIONS,
+    timed: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every loop shape at every budget for one model, and its every-block baseline."""
     result: dict[str, Any] = {"model": name, "family": MODELS[name].family, "records": []}
@@ -832,8 +960,9 @@ def run_model(
         if shape == "loss_fn" and "every_block_peak_bytes" in result:
             budgets.append((None, result["every_block_peak_bytes"]))  # reach as low
         for fraction, budget in budgets:
-            rec = run_case(name, shape, fraction, budget=budget, eager=eager, least=least,
-                           timed=timed)
+            rec = run_case(
+                name, shape, fraction, budget=budget, eager=eager, least=least, timed=timed
+            )
             if budget is not None:
                 rec.least_bytes = least
                 rec.every_block_peak_bytes = budget
@@ -938,8 +1067,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         results.append(
-            run_model(name, loops, fractions, timed=not args.no_time,
-                      progress=lambda s: print(s, flush=True))
+            run_model(
+                name,
+                loops,
+                fractions,
+                timed=not args.no_time,
+                progress=lambda s: print(s, flush=True),
+            )
         )
         seconds = time.perf_counter() - start
         machine = machine_info()
