@@ -24,7 +24,7 @@ reaches (Hugging Face ``gradient_checkpointing_enable()``, else ``torch.utils.ch
 around each block the entry names): remat must reach as low.
 
 ``python benchmarks/conformance.py`` writes ``docs/results/conformance/conformance.{json,md}``;
-``tests/test_conformance.py`` runs one budget and one loop shape per model.
+``tests/test_conformance.py`` runs the three loop shapes at one (rotated) budget per model.
 """
 
 from __future__ import annotations
