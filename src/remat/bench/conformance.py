@@ -977,8 +977,36 @@ def run_model(
     return result
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f}"
+def _bytes(n: int | None) -> str:
+    from remat.units import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def _summary(results: list[dict[str, Any]]) -> list[str]:
+    """One line per model: the path, the eager and every-block peaks, the lowest peak remat
+    measured within its budget, and how many cases passed."""
+    lines = [
+        "| model | family | path | eager peak (loss_fn) | every block | remat's lowest "
+        "(loss_fn, within budget) | remat / eager | every block / eager | cases passed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        recs = res["records"]
+        paths = sorted({r["path"] for r in recs if r["path"]})
+        eager = next((r["eager_peak_bytes"] for r in recs if r["loop"] == "loss_fn"), None)
+        passed = [r for r in recs if r["status"] == "pass"]
+        # the loss_fn loop, where the every-block baseline is measured too
+        low = min((r["peak_bytes"] for r in passed if r["loop"] == "loss_fn"), default=None)
+        block = res.get("every_block_peak_bytes")
+        ratio = "-" if not (low and eager) else f"{low / eager:.3f}"
+        block_ratio = "-" if not (block and eager) else f"{block / eager:.3f}"
+        lines.append(
+            f"| {res['model']} | {res['family']} | {', '.join(paths) or '-'} | {_bytes(eager)} | "
+            f"{_bytes(block)} | {_bytes(low)} | {ratio} | {block_ratio} | "
+            f"{len(passed)}/{len(recs)} |"
+        )
+    return lines + [""]
 
 
 def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: float) -> str:
@@ -988,32 +1016,38 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
         f"Measured {machine['date']} on {machine['device']} ({machine.get('cpus')} CPUs, "
         f"{machine['threads']} torch threads), torch {machine['torch']}; the run took "
         f"{seconds:.0f} s. Written by `benchmarks/conformance.py` "
-        "(`remat.bench.conformance`).",
+        "(`remat.bench.conformance`); the failures are discussed in FINDINGS.md.",
         "",
         "Each model is trained through `remat.auto` with three loop shapes — **held** (output "
         "held to the end of the step, auto's default loss), **inside** (loss computed inside "
         "the model: HF `labels`, detection's loss dict, else a `WithLoss` module), **loss_fn** "
         "(passed to auto) — at budgets 10 %, 50 % and 90 % of the way from the least peak "
-        "auto can plan for to the eager step's measured peak; `ckpt` rows use the budget that "
-        "checkpointing every block reaches (remat must reach as low). Peaks are whole-step "
-        "(SGD with momentum), exact, from the allocator's events; MiB. *ratio* = measured "
-        "peak / eager measured peak. A row passes when the gradients equal eager's "
+        "auto can plan for (the minimum its BudgetTooSmallError names) to the eager step's "
+        "measured peak; `ckpt` rows use the budget that checkpointing every block reaches "
+        "(remat must reach as low; HF `gradient_checkpointing_enable()`, else "
+        "`torch.utils.checkpoint` around each block). Peaks are whole-step (SGD with "
+        "momentum), exact, from the allocator's events. *ratio* = measured peak / eager "
+        "measured peak; *time ratio* = median step time / eager's, interleaved (tiny models: "
+        "overhead-bound). A row passes when the gradients equal eager's "
         f"(allclose rtol {GRAD_RTOL}, atol {GRAD_ATOL}), buffers are updated as eager's, and "
-        f"the measured peak is within the budget (+{(BUDGET_SLACK - 1) * 100:.1f} %).",
+        f"the measured peak is within the budget (+{(BUDGET_SLACK - 1) * 100:.1f} %); "
+        "*refused* = remat's own error (a budget below its minimum, a dict output without "
+        "loss_fn); *error* = any other exception.",
         "",
     ]
+    lines += _summary(results)
     counts: dict[str, int] = {}
     for res in results:
         for r in res["records"]:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
     lines += ["Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
     lines += [
-        "| model | family | every block (MiB) | loop | budget | status | path | least | "
-        "budget (MiB) | eager | peak | ratio | time ratio | max grad diff | problem |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | every block | loop | budget | status | path | least | budget | eager | "
+        "peak | ratio | time ratio | max grad diff | problem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
-        ckpt = _mib(res.get("every_block_peak_bytes"))
+        ckpt = _bytes(res.get("every_block_peak_bytes"))
         if "every_block_error" in res:
             ckpt = "error"
         for r in res["records"]:
@@ -1022,15 +1056,14 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
             problem = problem.replace("|", "/").replace("\n", " ")
             if len(problem) > 200:
                 problem = problem[:197] + "..."
+            ratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}"
+            timing = "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}"
+            diff = "-" if r["max_grad_abs_diff"] is None else f"{r['max_grad_abs_diff']:.1e}"
             lines.append(
-                f"| {res['model']} | {res['family']} | {ckpt} | {r['loop']} | {frac} | "
-                f"{r['status']} | {r['path']} | {_mib(r['least_bytes'])} | "
-                f"{_mib(r['budget_bytes'])} | {_mib(r['eager_peak_bytes'])} | "
-                f"{_mib(r['peak_bytes'])} | "
-                f"{'-' if r['memory_ratio'] is None else format(r['memory_ratio'], '.3f')} | "
-                f"{'-' if r['time_ratio'] is None else format(r['time_ratio'], '.2f')} | "
-                f"{'-' if r['max_grad_abs_diff'] is None else format(r['max_grad_abs_diff'], '.1e')}"
-                f" | {problem} |"
+                f"| {res['model']} | {ckpt} | {r['loop']} | {frac} | {r['status']} | "
+                f"{r['path']} | {_bytes(r['least_bytes'])} | {_bytes(r['budget_bytes'])} | "
+                f"{_bytes(r['eager_peak_bytes'])} | {_bytes(r['peak_bytes'])} | {ratio} | "
+                f"{timing} | {diff} | {problem} |"
             )
     lines.append("")
     errors = {
@@ -1056,7 +1089,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--no-time", action="store_true", help="skip the time ratios")
     parser.add_argument("--out", default="docs/results/conformance")
+    parser.add_argument(
+        "--markdown-only", action="store_true", help="rewrite OUT/conformance.md from its JSON"
+    )
     args = parser.parse_args(argv)
+    if args.markdown_only:
+        saved = json.loads((Path(args.out) / "conformance.json").read_text())
+        text = markdown(saved["results"], saved["machine"], saved["seconds"])
+        (Path(args.out) / "conformance.md").write_text(text)
+        return 0
     names = [n for n in args.models.split(",") if n] or list(MODELS)
     loops = tuple(s for s in args.loops.split(",") if s)
     fractions = tuple(float(f) for f in args.fractions.split(",") if f)
