@@ -1,0 +1,203 @@
+"""Conformance: any model, planned before it runs (remat.bench.conformance).
+
+Every registry model (tiny transformers / timm / torchvision configurations, LoRA, frozen layers,
+segmentation, detection) is trained through ``remat.auto`` with each of the three loop shapes at
+one budget between the least total peak auto plans for and the eager step's measured peak (the
+budget rotated over the models, so that each runs on every family): its gradients must
+equal eager's, its buffers be updated as eager's, and its measured whole-step peak (allocator
+events) stay within the budget. The full matrix (three budgets per loop shape, time ratios,
+the every-block baseline) is ``benchmarks/conformance.py``; its table is in
+docs/results/conformance/.
+
+Cases that fail today because of a known remat bug are ``xfail(strict=True)`` naming the bug
+(FINDINGS.md): they turn into failures (XPASS) once it is fixed; remove the mark then.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.bench import conformance as conf
+from remat.bench.conformance import LOOPS, MODELS, run_case
+
+# Every loop shape at one budget per model, the budget rotated over the registry (10 %, 50 %,
+# 90 % of the way from the least plannable peak to the eager one) ...
+FRACTIONS = conf.FRACTIONS
+FRACTION_OF = {name: FRACTIONS[i % len(FRACTIONS)] for i, name in enumerate(MODELS)}
+# ... except where the rotation misses a failure the full matrix (docs/results/conformance)
+# shows on that model: the output held through the step, chain path and graph path (auto picks
+# plan 'none', whose held step then peaks above the budget). hf-opt's loss_fn at 10 % is left
+# to the benchmark: the MILP's plan follows measured timings, and one of its plans is
+# under-predicted by 8 KiB (FINDINGS.md): a test there would pass or fail by the plan drawn
+FRACTION_OF |= {"hf-gpt2": 0.9, "hf-opt": 0.9}
+# Loop shapes left to the benchmark: WithLoss around MobileNetV3 is not a chain, a 116-node
+# graph whose MILP takes a minute on 2 cores
+SLOW = {("tv-mobilenet_v3_small", "inside")}
+# Refused by design, with remat's own error: a dict output and no loss_fn (segmentation's
+# {"out": ...}; detection's loss dict, also in loop (b))
+REFUSED = {
+    ("tv-lraspp_mobilenet_v3", "held"),
+    ("tv-fasterrcnn_mobilenet_v3_fpn", "held"),
+    ("tv-fasterrcnn_mobilenet_v3_fpn", "inside"),
+}
+
+VMAP_STORAGE = (
+    "graph path: HF eager attention's mask is built under torch.vmap and graph capture reads "
+    "the BatchedTensor's storage (NotImplementedError: Cannot access storage of "
+    "BatchedTensorImpl, remat/graphs/capture.py)"
+)
+FROZEN_HOOK = (
+    "frozen parameters / LoRA: capture registers a gradient hook on a tensor that does not "
+    "require grad (RuntimeError: cannot register a hook on a tensor that doesn't require "
+    "gradient)"
+)
+DETECTION_CALLS = (
+    "Faster R-CNN in train mode: graph capture's timed step makes a different number of torch "
+    "calls than its recorded step (random proposal sampling), RuntimeError 'the model's "
+    "forward is not deterministic in its calls'; when capture happens to succeed, the minimum "
+    "auto names (87.5 MB) is above the eager step's measured peak (75.3 MB)"
+)
+OUTPUT_HELD = (
+    "budget with the output held through the step: auto plans for its default loss with the "
+    "output freed, the step holds the output (and the user's criterion's saved tensors) until "
+    "the optimizer step: measured peak above the budget"
+)
+REGNET_UNDER = (
+    "graph path under-predicts RegNet's step by 128 KiB (predicted 4130224 B, measured "
+    "4261240 B at a 4201652 B budget, every loop shape): measured peak above the budget"
+)
+BELOW_EVERY_BLOCK = (
+    "remat cannot reach what checkpointing every block reaches: auto refuses the budget HF "
+    "gradient_checkpointing / torch.utils.checkpoint per block meets (BudgetTooSmallError; the "
+    "graph path counts every parameter gradient live for the whole backward)"
+)
+XFAIL: dict[tuple[str, str], str] = {
+    ("hf-gpt2", "held"): OUTPUT_HELD,
+    ("hf-opt", "held"): OUTPUT_HELD,
+    ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
+}
+for _loop in LOOPS:
+    XFAIL[("hf-mistral", _loop)] = VMAP_STORAGE
+    XFAIL[("hf-qwen2", _loop)] = VMAP_STORAGE
+    XFAIL[("peft-lora-llama", _loop)] = FROZEN_HOOK
+    XFAIL[("tv-resnet10-frozen", _loop)] = FROZEN_HOOK
+    XFAIL[("tv-regnet", _loop)] = REGNET_UNDER
+
+
+def _cases() -> list[object]:
+    cases = []
+    for name, fraction in FRACTION_OF.items():
+        for loop in LOOPS:
+            if (name, loop) in SLOW:
+                continue
+            marks = [pytest.mark.slow]
+            if (name, loop) in XFAIL:
+                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[(name, loop)]))
+            cases.append(
+                pytest.param(name, loop, fraction, marks=marks, id=f"{name}-{loop}-{fraction}")
+            )
+    return cases
+
+
+@pytest.mark.parametrize("name,loop,fraction", _cases())
+def test_auto_trains_the_model_within_the_budget_with_eager_gradients(
+    name: str, loop: str, fraction: float
+) -> None:
+    record = run_case(name, loop, fraction)
+    if (name, loop) in REFUSED:
+        assert record.status == "refused", record
+        assert "pass loss_fn(model, batch)" in record.error
+        return
+    assert record.status == "pass", (
+        f"{name} / {loop} at budget {record.budget_bytes} (least {record.least_bytes}, eager "
+        f"{record.eager_peak_bytes}): {record.path} measured {record.peak_bytes}; "
+        f"{'; '.join(record.violations)} {record.error}"
+    )
+    assert record.peak_bytes is not None and record.peak_bytes < record.eager_peak_bytes
+
+
+# one model per family and path: what checkpointing every block reaches, remat must reach
+EVERY_BLOCK = {
+    "hf-gpt2": None,  # chain path, HF gradient checkpointing
+    "hf-llama": BELOW_EVERY_BLOCK,  # chain path
+    "hf-bert": BELOW_EVERY_BLOCK,  # graph path
+    "timm-vit": None,
+    "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
+    "tv-convnext": None,  # graph path
+    "tv-lraspp_mobilenet_v3": BELOW_EVERY_BLOCK,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=r)] if r else [])
+        for n, r in EVERY_BLOCK.items()
+    ],
+)
+def test_auto_reaches_what_checkpointing_every_block_reaches(name: str) -> None:
+    reached, how = conf.every_block_peak(name, "loss_fn")
+    record = run_case(name, "loss_fn", None, budget=reached)
+    assert record.status == "pass", (
+        f"{name}: {how} measures {reached} B; remat.auto at that budget: "
+        f"{'; '.join(record.violations)} {record.error}"
+    )
+
+
+def test_the_registry_holds_every_family_and_is_deterministic() -> None:
+    assert len(MODELS) >= 25
+    families = {entry.family for entry in MODELS.values()}
+    for family in (
+        "decoder LM",
+        "encoder",
+        "encoder-decoder",
+        "vision transformer",
+        "CNN",
+        "swin",
+        "segmentation",
+        "detection",
+    ):
+        assert family in families
+    assert any("LoRA" in f for f in families) and any("frozen" in f for f in families)
+    a, b = conf.build("tv-convnext"), conf.build("tv-convnext")
+    assert torch.equal(a.inputs, b.inputs) and torch.equal(a.target, b.target)
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------- the harness can fail
+def test_the_harness_reports_wrong_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = conf._auto
+
+    def doubled(loop, budget, opt):
+        planned, summary = real(loop, budget, opt)
+
+        class Doubled(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = planned
+
+            def forward(self, *args, **kwargs):
+                return self.inner(*args, **kwargs) * 2
+
+        return Doubled(), summary
+
+    monkeypatch.setattr(conf, "_auto", doubled)
+    record = run_case("tv-convnext", "loss_fn", 0.5)
+    assert record.status == "fail"
+    assert any("gradient differs" in v for v in record.violations)
+
+
+def test_the_harness_reports_a_peak_above_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = conf._auto
+
+    def unplanned(loop, budget, opt):
+        _, summary = real(loop, budget, opt)
+        return loop.module, summary  # the eager model: its peak is above a budget below it
+
+    monkeypatch.setattr(conf, "_auto", unplanned)
+    record = run_case("tv-convnext", "loss_fn", 0.5)
+    assert record.status == "fail"
+    assert any("> budget" in v for v in record.violations)
