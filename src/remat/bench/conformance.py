@@ -59,6 +59,9 @@ LOOPS = ("held", "inside", "loss_fn")
 """The three loop shapes: (a) output held to the end of the step, (b) loss inside the model,
 (c) ``loss_fn`` passed to ``remat.auto``."""
 
+AUTO_LOOP = {"held": "output-held", "inside": "loss-only", "loss_fn": "loss-only"}
+"""The ``loop=`` each shape tells :func:`remat.auto`: (b) and (c) keep only the loss."""
+
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-6
 BUDGET_SLACK = 1.001
@@ -763,7 +766,12 @@ def _auto(loop: Loop, budget: int | None, opt: torch.optim.Optimizer) -> tuple[n
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return remat.auto(
-            loop.module, loop.batch, loss_fn=loop.loss_fn, budget=budget, optimizer=opt
+            loop.module,
+            loop.batch,
+            loss_fn=loop.loss_fn,
+            budget=budget,
+            optimizer=opt,
+            loop=AUTO_LOOP[loop.shape],
         )
 
 
