@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -588,6 +588,16 @@ def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
     return best
 
 
+def _criterion_unknown(loss_fn: Any, batch: Any) -> bool:
+    """Whether the loop applies a criterion remat did not capture: no ``loss_fn`` and no
+    ``labels`` in a dict batch (a Hugging Face model given labels computes its own loss, which
+    the capture runs). Then :func:`remat.step.output_held_bytes` counts what such a criterion
+    saves beside the held output."""
+    if loss_fn is not None:
+        return False
+    return not (isinstance(batch, Mapping) and batch.get("labels") is not None)
+
+
 def _fastest_fitting_graph_plan(
     graph: Any, costs: StepCosts, total: int, step_peak: Callable[[Any], int]
 ) -> tuple[str, Any]:
@@ -671,7 +681,9 @@ def _auto_graph(
             persistent_bytes=fixed - sum(grads),
             grad_bytes=tuple(grads),
             optimizer_step_bytes=step_bytes,
-            output_held_bytes=output_held_bytes(loop, trace.output_bytes),
+            output_held_bytes=output_held_bytes(
+                loop, trace.output_bytes, _criterion_unknown(loss_fn, batch)
+            ),
             input_bytes=trace.graph.input_bytes,
             slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
         )
@@ -871,7 +883,9 @@ def auto(
             grad_bytes=tuple(grads),
             grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
             optimizer_step_bytes=step_bytes,
-            output_held_bytes=output_held_bytes(loop, new.output_bytes),
+            output_held_bytes=output_held_bytes(
+                loop, new.output_bytes, _criterion_unknown(loss_fn, batch)
+            ),
             input_bytes=new.chain.input_bytes,
             slack_bytes=slack,
         )
@@ -889,7 +903,7 @@ def auto(
             grads,
             new.grad_rise_bytes,
             step_bytes,
-            output_held_bytes(loop, new.output_bytes),
+            output_held_bytes(loop, new.output_bytes, _criterion_unknown(loss_fn, batch)),
             slack,
         )
         return plan, total

@@ -58,9 +58,16 @@ def check_loop(loop: str) -> str:
     return loop
 
 
-def output_held_bytes(loop: str, model_output_bytes: int) -> int:
-    """Bytes of the model's output that ``loop`` keeps alive beside the step's activations."""
-    return model_output_bytes if check_loop(loop) == "output-held" else 0
+def output_held_bytes(loop: str, model_output_bytes: int, criterion_unknown: bool = False) -> int:
+    """Bytes of the model's output that ``loop`` keeps alive beside the step's activations.
+
+    With ``criterion_unknown`` (remat planned with its default loss, a sum, while the loop
+    applies its own criterion to the held output) one more output-sized tensor is counted: what
+    a criterion saves for its backward (cross-entropy's log-softmax, a squared error's
+    difference), which the captured sum does not have."""
+    if check_loop(loop) != "output-held":
+        return 0
+    return model_output_bytes * (2 if criterion_unknown else 1)
 
 
 class StepEvent(NamedTuple):
