@@ -414,14 +414,12 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
     checked exactly.
 
     If the plan made for the activation budget ``total - costs.held_bytes`` fits, it is the
-    answer (no fitting plan keeps more activations). Otherwise, for ``optimal-time``, the
-    fastest fitting plan among the Pareto plans of a fixed grid of activation budgets (one DP
-    table, :func:`remat.planners.optimal_time.sweep`), the flat plans of the other planners,
-    and the plans of a binary search on the activation budget: the step's peak is not a
-    monotone function of the activation peak (a parameter gradient made early in the backward
-    can meet a recomputation), so the largest activation budget that fits is not always the
-    fastest plan. For other planners: the binary search's largest fitting activation budget.
-    When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
+    answer (no fitting plan keeps more activations). Otherwise the fastest fitting plan among
+    ``method``'s plans at a fixed grid of activation budgets (:func:`_sweep_candidates`; one DP
+    table for optimal-time) and the plans of a binary search on the activation budget: the
+    step's peak is not a monotone function of the activation peak (a parameter gradient made
+    early in the backward can meet a recomputation), so the largest activation budget that fits
+    is not always the fastest plan. When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
     the error names its whole-step peak, a budget this function accepts."""
     from remat.api import plan as make_plan
     from remat.planners import BudgetTooSmallError
@@ -453,13 +451,12 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
             best, lo = candidate, mid
         else:
             hi = mid
-    if method == "optimal-time":
-        for candidate in _optimal_time_candidates(chain):
-            if chain_step_peak(chain, candidate, costs) <= total:
-                pool.append(candidate)
-        if pool:
-            timed = [(simulate(chain, p).total_time, p) for p in pool]
-            best = min(timed, key=lambda tp: tp[0])[1]
+    for candidate in _sweep_candidates(chain, method):
+        if chain_step_peak(chain, candidate, costs) <= total:
+            pool.append(candidate)
+    if pool:
+        timed = [(simulate(chain, p).total_time, p) for p in pool]
+        best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
         least, need = _least_step_peak(chain, method, costs)
         if need <= total:
@@ -484,12 +481,9 @@ def _least_step_peak(chain: Chain, method: str, costs: StepCosts) -> tuple[Plan,
     peak: a budget :func:`_largest_fitting_plan` always accepts (checkpoint RNG states, the
     held output and the optimizer step included)."""
     from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
 
-    if method == "optimal-time":
-        least = make_plan(chain, method, min_feasible_peak(chain))
-    else:
-        least = make_plan(chain, method, None)
+    least = make_plan(chain, method, least_peak(chain, method))
     return least, chain_step_peak(chain, least, costs)
 
 
@@ -517,32 +511,22 @@ def _least_activation_peak(chain: Chain, method: str) -> int:
     """The least activation peak ``method`` reaches (time-independent for optimal-time: the
     least peak of any nested plan); with every gradient and the fixed bytes added, a whole-step
     budget that is always feasible."""
-    from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
 
-    if method == "optimal-time":
-        return min_feasible_peak(chain)
-    return make_plan(chain, method, None).predicted_peak_bytes or 0
+    return least_peak(chain, method)
 
 
-def _optimal_time_candidates(chain: Chain) -> list[Plan]:
-    """optimal-time's plans at :data:`GRID_POINTS` activation budgets from the least feasible
-    peak to the unplanned one, and the other planners' plans (made for their own defaults):
-    candidates for the fastest plan under a whole-step budget."""
-    from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak, sweep
+def _sweep_candidates(chain: Chain, method: str) -> list[Plan]:
+    """``method``'s plans at :data:`GRID_POINTS` activation budgets from its least peak to the
+    unplanned peak (:func:`remat.planners.sweep`: one DP table for optimal-time): candidates
+    for the fastest plan under a whole-step budget."""
+    from remat.planners import least_peak, sweep
 
-    floor = min_feasible_peak(chain)
+    floor = least_peak(chain, method)
     top = simulate(chain, Plan.none(chain)).peak_bytes
-    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if floor > 0 else 1.0
+    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if 0 < floor < top else 1.0
     budgets = sorted({int(floor * ratio**k) for k in range(GRID_POINTS)} | {floor, top})
-    found = [p.for_chain(chain) for p in sweep(chain, budgets) if p is not None]
-    for method in ("none", "every-stage", "chen-sqrt", "chen-budget", "hong-dp"):
-        try:
-            found.append(make_plan(chain, method))
-        except Exception:  # noqa: BLE001 - a planner that cannot plan this chain adds nothing
-            continue
-    return found
+    return [p for p in sweep(chain, method, budgets) if p is not None]
 
 
 def stage_grad_bytes(stages: Any) -> list[int]:

@@ -889,11 +889,11 @@ def _least_memory_plan(chain: Chain) -> Plan:
     times (the fewest recomputations at unit cost), so that the least peak a combination
     reaches, and with it :class:`FitBudgetError`'s minimum, does not move with timing noise."""
     from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
     from remat.simulate import simulate
 
     unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
-    least = make_plan(unit, _METHOD, min_feasible_peak(chain))
+    least = make_plan(unit, _METHOD, least_peak(chain, _METHOD))
     least = least.made_for(chain)
     sim = simulate(chain, least)
     params = {**least.params, "least_memory": True}

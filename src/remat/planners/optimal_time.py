@@ -100,7 +100,6 @@ _FLOAT32_MARGIN = 1e-4
 
 
 # ====================================================================== public API
-@register(METHOD)
 def plan_optimal_time(chain: Chain, budget: int | None = None) -> Plan:
     """The fastest nested plan whose simulated peak is at most ``budget`` bytes (see module)."""
     return solve(chain, budget)
@@ -821,3 +820,6 @@ def _recursion_limit(limit: int) -> Iterator[None]:
         yield
     finally:
         sys.setrecursionlimit(old)
+
+
+register(METHOD, sweep=sweep, least_peak=min_feasible_peak)(plan_optimal_time)
