@@ -175,6 +175,29 @@ def test_plan_takes_activation_budget_and_budget_is_a_deprecated_alias() -> None
         remat.plan(chain, "chen-budget", activation_budget="90%", budget="90%")
 
 
+def test_cli_activation_budget_and_its_budget_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    assert (
+        main(["plan", "homogeneous:8", "--method", "chen-sqrt", "--activation-budget", "90%"]) == 0
+    )
+    new = capsys.readouterr().out
+    assert main(["plan", "homogeneous:8", "--method", "chen-sqrt", "--budget", "90%"]) == 0
+    old = capsys.readouterr().out
+    header = new.splitlines()[0]
+    assert "activation budget 31.50 MiB" in header, header  # 90% of the 35 MiB unplanned peak
+    assert old.splitlines()[0] == header
+
+
+def test_errors_and_summaries_name_the_budget() -> None:
+    chain = Chain.homogeneous(8)
+    with pytest.raises(BudgetTooSmallError, match="activation budget 1 B") as info:
+        remat.plan(chain, "optimal-time", activation_budget=1)
+    assert info.value.kind == "activation"
+    whole = BudgetTooSmallError(10, 20, "optimal-time", kind="whole-step")
+    assert str(whole).startswith("whole-step budget 10 B") and "whole-step peak" in str(whole)
+
+
 _BRANCH = re.compile(r"""\bmethod\s*(?:==|!=)\s*["']([^"']+)["']""")
 
 

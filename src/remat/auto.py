@@ -151,7 +151,7 @@ class AutoSummary:
         )
         return "\n".join(
             [
-                f"remat.auto: {size}, planner {self.method!r}, budget {budget}",
+                f"remat.auto: {size}, planner {self.method!r}, whole-step budget {budget}",
                 f"  fixed (params, grads, buffers, optimizer): {format_bytes(self.fixed_bytes)}",
                 f"  activations: {format_bytes(self.unplanned_activation_peak_bytes)} -> "
                 f"{format_bytes(self.predicted_activation_peak_bytes)}",
@@ -311,12 +311,13 @@ def plan_for_total_budget(
                 else ""
             )
             + "; shrink them with the levers (precision, sparsity) first",
+            kind="whole-step",
         )
     try:
         return make_plan(chain, method, activation_budget)
     except BudgetTooSmallError as err:
         raise BudgetTooSmallError(
-            total, held + err.minimum_bytes, method, "total training-step peak"
+            total, held + err.minimum_bytes, method, "total training-step peak", kind="whole-step"
         ) from None
 
 
@@ -472,6 +473,7 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
             method,
             f"parameters, buffers and optimizer state take {format_bytes(costs.persistent_bytes)}"
             f", parameter gradients {format_bytes(sum(costs.grad_bytes))}{output}",
+            kind="whole-step",
         )
     return best
 
@@ -504,6 +506,7 @@ def _optimizer_step_too_large(
         f"the optimizer step alone needs {format_bytes(phase)} (parameters, gradients, buffers, "
         f"state, the batch and {format_bytes(step_bytes)} of its own temporaries); shrink them "
         "with the levers (precision, sparsity) or use an optimizer with foreach=False",
+        kind="whole-step",
     )
 
 
@@ -669,6 +672,7 @@ def _auto_graph(
                         held + err.minimum_bytes,
                         method,
                         "total training-step peak (graph)",
+                        kind="whole-step",
                     ) from None
         return method, chosen, total, step_peak(chosen), unplanned
 
@@ -767,6 +771,7 @@ def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
             f"re-planning the training step for the new inputs {shape}: the plan depends on "
             "the batch shape; raise the budget to the minimum or call the model on smaller "
             "inputs",
+            kind="whole-step",
         ) from err
 
 

@@ -72,19 +72,36 @@ _REGISTRY: dict[str, Planner] = {}
 _MODULES = ("baselines", "chen", "hong", "reforward", "optimal_time")
 
 
+BUDGET_KINDS = ("activation", "whole-step")
+"""What a budget bounds: the activation peak (:func:`remat.plan`'s ``activation_budget``) or
+the whole training step (``budget=`` of :func:`remat.auto` and :func:`remat.fit`)."""
+
+
 class BudgetTooSmallError(ValueError):
-    """No plan of the chosen planner fits the budget; ``minimum_bytes`` says what would."""
+    """No plan of the chosen planner fits the budget; ``minimum_bytes`` says what would.
+
+    ``kind`` says which budget (:data:`BUDGET_KINDS`): ``"activation"`` (the planners') or
+    ``"whole-step"`` (``remat.auto`` / ``remat.fit``); the message names it."""
 
     def __init__(
-        self, budget_bytes: int, minimum_bytes: int, method: str, detail: str = ""
+        self,
+        budget_bytes: int,
+        minimum_bytes: int,
+        method: str,
+        detail: str = "",
+        *,
+        kind: str = "activation",
     ) -> None:
+        if kind not in BUDGET_KINDS:
+            raise ValueError(f"kind must be one of {BUDGET_KINDS}, got {kind!r}")
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.method = method
+        self.kind = kind
         message = (
-            f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the minimum "
-            f"feasible peak {format_bytes(minimum_bytes)} ({minimum_bytes} B) for planner "
-            f"{method!r}: raise the budget to at least {minimum_bytes} B"
+            f"{kind} budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the "
+            f"minimum feasible {kind} peak {format_bytes(minimum_bytes)} ({minimum_bytes} B) for "
+            f"planner {method!r}: raise the budget to at least {minimum_bytes} B"
         )
         if detail:
             message += f" ({detail})"
