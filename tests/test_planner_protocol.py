@@ -28,7 +28,9 @@ from remat.planners import (
     _REGISTRY,
     Planner,
     available,
+    candidates,
     get_planner,
+    grid_candidates,
     least_peak,
     plan_chain,
     sweep,
@@ -50,7 +52,7 @@ def test_every_registered_planner_satisfies_the_protocol() -> None:
     for method in available():
         planner = get_planner(method)
         assert isinstance(planner, Planner), method
-        for optional in ("sweep", "least_peak"):
+        for optional in ("sweep", "least_peak", "candidates"):
             assert callable(getattr(planner, optional, callable)), (method, optional)
     for method in available_graph_planners():
         assert isinstance(get_graph_planner(method), GraphPlanner), method
@@ -127,6 +129,23 @@ def test_optimal_time_sweep_is_the_brute_force_least_time(
             assert got is not None and got.predicted_time == pytest.approx(best)
 
 
+@settings(max_examples=10)
+@given(chains)
+def test_candidates_are_stamped_plans(chain: Chain) -> None:
+    """Every planner's candidates are simulated plans for the chain; without its own
+    ``candidates`` a planner's are its grid; optimal-time's add the baselines' default plans."""
+    for method in available():
+        found = candidates(chain, method)
+        assert found, method
+        for p in found:
+            assert p.predicted_peak_bytes == simulate(chain, p).peak_bytes, method
+            assert p.chain_fingerprint == chain.fingerprint
+        if getattr(get_planner(method), "candidates", None) is None:
+            assert found == grid_candidates(chain, method)
+    found = candidates(chain, "optimal-time")
+    assert {p.method for p in found} >= {"optimal-time", "none", "chen-sqrt", "hong-dp"}
+
+
 def test_sweep_and_least_peak_do_not_swallow_other_errors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -141,6 +160,8 @@ def test_sweep_and_least_peak_do_not_swallow_other_errors(
         sweep(chain, "broken-test-planner", [1, 10**9])
     with pytest.raises(RuntimeError, match="a planner bug"):
         least_peak(chain, "broken-test-planner")
+    with pytest.raises(RuntimeError, match="a planner bug"):
+        candidates(chain, "broken-test-planner")
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -416,14 +416,15 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
 
     If the plan made for the activation budget ``total - costs.held_bytes`` fits, it is the
     answer (no fitting plan keeps more activations). Otherwise the fastest fitting plan among
-    ``method``'s plans at a fixed grid of activation budgets (:func:`_sweep_candidates`; one DP
-    table for optimal-time) and the plans of a binary search on the activation budget: the
-    step's peak is not a monotone function of the activation peak (a parameter gradient made
-    early in the backward can meet a recomputation), so the largest activation budget that fits
-    is not always the fastest plan. When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
+    ``method``'s candidates (:func:`remat.planners.candidates`: its plans at a fixed grid of
+    activation budgets, one DP table for optimal-time, which adds the baselines' plans) and the
+    plans of a binary search on the activation budget: the step's peak is not a monotone
+    function of the activation peak (a parameter gradient made early in the backward can meet a
+    recomputation), so the largest activation budget that fits is not always the fastest plan.
+    When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
     the error names its whole-step peak, a budget this function accepts."""
     from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError
+    from remat.planners import BudgetTooSmallError, candidates
 
     pool: list[Plan] = []
 
@@ -452,7 +453,7 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
             best, lo = candidate, mid
         else:
             hi = mid
-    for candidate in _sweep_candidates(chain, method):
+    for candidate in candidates(chain, method):
         if chain_step_peak(chain, candidate, costs) <= total:
             pool.append(candidate)
     if pool:
@@ -489,10 +490,6 @@ def _least_step_peak(chain: Chain, method: str, costs: StepCosts) -> tuple[Plan,
     return least, chain_step_peak(chain, least, costs)
 
 
-GRID_POINTS = 16
-"""Activation budgets of :func:`_optimal_time_candidates`' grid (geometric)."""
-
-
 def _optimizer_step_too_large(
     budget: int, minimum: int, method: str, phase: int, step_bytes: int
 ) -> Exception:
@@ -517,19 +514,6 @@ def _least_activation_peak(chain: Chain, method: str) -> int:
     from remat.planners import least_peak
 
     return least_peak(chain, method)
-
-
-def _sweep_candidates(chain: Chain, method: str) -> list[Plan]:
-    """``method``'s plans at :data:`GRID_POINTS` activation budgets from its least peak to the
-    unplanned peak (:func:`remat.planners.sweep`: one DP table for optimal-time): candidates
-    for the fastest plan under a whole-step budget."""
-    from remat.planners import least_peak, sweep
-
-    floor = least_peak(chain, method)
-    top = simulate(chain, Plan.none(chain)).peak_bytes
-    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if 0 < floor < top else 1.0
-    budgets = sorted({int(floor * ratio**k) for k in range(GRID_POINTS)} | {floor, top})
-    return [p for p in sweep(chain, method, budgets) if p is not None]
 
 
 def stage_grad_bytes(stages: Any) -> list[int]:

@@ -1,10 +1,12 @@
 """Planners: pure functions ``(chain, budget) -> Plan``, selected by name.
 
 Every planner satisfies :class:`Planner`: it is called as ``planner(chain, budget) -> Plan`` and
-may carry two optional methods, ``sweep(chain, budgets) -> list[Plan | None]`` (many budgets at
-once, e.g. one DP table) and ``least_peak(chain) -> int`` (the least activation peak it reaches).
+may carry three optional methods, ``sweep(chain, budgets) -> list[Plan | None]`` (many budgets
+at once, e.g. one DP table), ``least_peak(chain) -> int`` (the least activation peak it reaches)
+and ``candidates(chain) -> list[Plan]`` (the plans to weigh against a budget on something else
+than the activation peak, such as :func:`remat.auto`'s whole-step budget).
 It is registered under a name with :func:`register`. Callers never branch on a planner's name:
-:func:`sweep` and :func:`least_peak` use the planner's own method when it has one and a generic
+:func:`sweep`, :func:`least_peak` and :func:`candidates` use the planner's own method when it has one and a generic
 rule otherwise. ``budget`` is the peak activation memory in bytes
 that :func:`remat.simulate` must predict for the plan (``None``: the planner's own default).
 Planners never import torch. :func:`plan_chain` runs one by name: it parses the budget, calls
@@ -46,6 +48,9 @@ __all__ = [
     "plan_chain",
     "sweep",
     "least_peak",
+    "candidates",
+    "grid_candidates",
+    "GRID_POINTS",
     "Planner",
     "BudgetTooSmallError",
 ]
@@ -62,7 +67,9 @@ class Planner(Protocol):
     * ``sweep(chain, budgets) -> list[Plan | None]``: the plans of ``planner(chain, b)`` for each
       budget, ``None`` where it raises :class:`BudgetTooSmallError`;
     * ``least_peak(chain) -> int``: the least activation peak of any of its plans; planning at
-      it succeeds.
+      it succeeds;
+    * ``candidates(chain) -> list[Plan]``: stamped plans (:func:`plan_chain`'s) to choose from
+      under a budget that is not the activation peak (default: :func:`grid_candidates`).
     """
 
     def __call__(self, chain: Chain, budget: int | None, /) -> Plan: ...
@@ -113,9 +120,10 @@ def register(
     *,
     sweep: Callable[[Chain, list[int | None]], list[Plan | None]] | None = None,
     least_peak: Callable[[Chain], int] | None = None,
+    candidates: Callable[[Chain], list[Plan]] | None = None,
 ) -> Callable[[Planner], Planner]:
-    """Decorator: register ``fn`` as the planner called ``name``, with its optional ``sweep``
-    and ``least_peak`` methods (see :class:`Planner`) attached to it."""
+    """Decorator: register ``fn`` as the planner called ``name``, with its optional ``sweep``,
+    ``least_peak`` and ``candidates`` methods (see :class:`Planner`) attached to it."""
 
     def wrap(fn: Planner) -> Planner:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
@@ -124,6 +132,8 @@ def register(
             fn.sweep = sweep  # type: ignore[attr-defined]
         if least_peak is not None:
             fn.least_peak = least_peak  # type: ignore[attr-defined]
+        if candidates is not None:
+            fn.candidates = candidates  # type: ignore[attr-defined]
         _REGISTRY[name] = fn
         return fn
 
@@ -217,6 +227,29 @@ def least_peak(chain: Chain, method: str) -> int:
     if own is not None:
         return int(own(chain))
     return plan_chain(chain, method, None).predicted_peak_bytes or 0
+
+
+GRID_POINTS = 16
+"""Activation budgets of :func:`grid_candidates` (geometric from the least peak)."""
+
+
+def grid_candidates(chain: Chain, method: str) -> list[Plan]:
+    """``method``'s plans (:func:`sweep`) at :data:`GRID_POINTS` activation budgets, geometric
+    from :func:`least_peak` to the unplanned activation peak (both included)."""
+    floor = least_peak(chain, method)
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if 0 < floor < top else 1.0
+    budgets = sorted({int(floor * ratio**k) for k in range(GRID_POINTS)} | {floor, top})
+    return [p for p in sweep(chain, method, budgets) if p is not None]
+
+
+def candidates(chain: Chain, method: str) -> list[Plan]:
+    """Plans of ``method`` to choose from under a budget that is not the activation peak (the
+    fastest whose whole-step peak fits: :func:`remat.auto`): the planner's own ``candidates``
+    when it has one (optimal-time adds the baselines' plans to its grid), else
+    :func:`grid_candidates`. Stamped like :func:`plan_chain`'s plans."""
+    own = getattr(get_planner(method), "candidates", None)
+    return list(own(chain)) if own is not None else grid_candidates(chain, method)
 
 
 def _stamped(chain: Chain, method: str, found: Plan, budget_bytes: int | None) -> Plan:
