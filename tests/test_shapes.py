@@ -185,8 +185,10 @@ def test_a_loss_fn_that_keeps_more_than_a_sum_is_held_back_on_a_replan(graph: bo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the graph path says it is not a chain
         _, unlimited = auto(model, (x, y), loss_fn=loss_fn)
-        fixed = unlimited.fixed_bytes
-        budget = int(fixed + 0.7 * (unlimited.unplanned_peak_bytes - fixed))
+        with pytest.raises(BudgetTooSmallError) as refused:
+            auto(model, (x, y), loss_fn=loss_fn, budget=1)
+        least = refused.value.minimum_bytes
+        budget = int(least + 0.5 * (unlimited.unplanned_peak_bytes - least))
         planned, _ = auto(model, (x, y), loss_fn=loss_fn, budget=budget)
     results = []
     for n in (200, 320):

@@ -559,6 +559,47 @@ def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
     return best
 
 
+def _fastest_fitting_graph_plan(
+    graph: Any, costs: StepCosts, total: int, step_peak: Callable[[Any], int]
+) -> tuple[str, Any]:
+    """The fastest plan of a module graph whose whole-step peak (``step_peak``) fits ``total``
+    bytes, as ``(planner, plan)``.
+
+    Candidates: ``checkmate-milp`` for the activation budget left beside what the step always
+    holds (gradients as the backward makes them), then, only if that plan does not fit, for
+    the budget left with every gradient live all step (the safe reading) — for its own least
+    activation peak where a budget is below it; Re-forwarding's
+    least-memory plan; and the unplanned one. Each is checked exactly by ``step_peak``. When
+    none fits, the error names the least whole-step peak among them: a budget that one of these
+    plans meets is never refused, and the minimum named is accepted when passed back.
+    """
+    from remat.graphs import GraphPlan, plan_graph, simulate_graph
+    from remat.planners import BudgetTooSmallError
+
+    candidates: list[tuple[str, Any]] = []
+    for activation_budget in (total - costs.held_bytes, total - costs.fixed_bytes):
+        if activation_budget <= 0:
+            continue
+        try:
+            plan = plan_graph(graph, "checkmate-milp", activation_budget)
+        except BudgetTooSmallError as err:  # the MILP's least activation peak is a candidate
+            plan = plan_graph(graph, "checkmate-milp", err.minimum_bytes)
+        candidates.append(("checkmate-milp", plan))
+        if step_peak(plan) <= total:
+            break
+    candidates += [("reforward", plan_graph(graph, "reforward")), ("none", GraphPlan.none())]
+    fitting = [(name, plan) for name, plan in candidates if step_peak(plan) <= total]
+    if not fitting:
+        raise BudgetTooSmallError(
+            total,
+            min(step_peak(plan) for _, plan in candidates),
+            "checkmate-milp",
+            "total training-step peak (graph)",
+            kind="whole-step",
+        )
+    return min(fitting, key=lambda item: simulate_graph(graph, item[1]).total_time)
+
+
 def _auto_graph(
     model: nn.Module,
     batch: Any,
@@ -585,7 +626,6 @@ def _auto_graph(
     from remat.graphs import GraphPlan, graph_step_peak, plan_graph, simulate_graph
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
-    from remat.planners import BudgetTooSmallError
     from remat.profile import optimizer_costs
     from remat.runtime import call_loss
 
@@ -639,25 +679,7 @@ def _auto_graph(
             if simulate_graph(graph, chosen).total_time > none_time + forward:
                 method, chosen = "none", GraphPlan.none()
         else:
-            method = "checkmate-milp"
-            chosen = None
-            if total - costs.held_bytes > 0:
-                try:
-                    first = plan_graph(graph, method, total - costs.held_bytes)
-                    chosen = first if step_peak(first) <= total else None
-                except BudgetTooSmallError:
-                    chosen = None
-            if chosen is None:
-                try:
-                    chosen = plan_graph(graph, method, max(0, total - held))
-                except BudgetTooSmallError as err:
-                    raise BudgetTooSmallError(
-                        total,
-                        held + err.minimum_bytes,
-                        method,
-                        "total training-step peak (graph)",
-                        kind="whole-step",
-                    ) from None
+            method, chosen = _fastest_fitting_graph_plan(graph, costs, total, step_peak)
         return method, chosen, total, step_peak(chosen), unplanned
 
     trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")

@@ -1,0 +1,26 @@
+"""The model families :func:`remat.stages.split_stages` recognises, in the order it tries them.
+
+Each family is a module with ``split(model) -> Stages | None``: the model's stages when it is
+one of the family's models (recognised exactly: a subclass that overrides ``forward`` is not),
+else None; it raises :class:`~remat.errors.UnsupportedModelError` for a model of the family it
+cannot cut (e.g. an unsupported argument or mode). A family imports only the generic
+:mod:`remat.stages.base`; a new one is a module here and one entry in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from remat.stages.base import Stages, split_sequential
+from remat.stages.families import hf, torchvision
+
+__all__ = ["FAMILIES"]
+
+FAMILIES: tuple[Callable[[nn.Module], Stages | None], ...] = (
+    split_sequential,
+    torchvision.split,
+    hf.split,
+)
+"""Tried in order; the first that returns stages wins."""
