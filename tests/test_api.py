@@ -100,9 +100,9 @@ def test_cli_plan_json_and_out(tmp_path, capsys) -> None:
 
 
 def test_cli_errors_are_one_line(capsys) -> None:
-    assert main(["plan", "homogeneous:4", "--method", "none", "--budget", "1"]) == 2
+    assert main(["plan", "homogeneous:4", "--method", "none", "--activation-budget", "1"]) == 2
     err = capsys.readouterr().err
-    assert "minimum feasible peak" in err and "Traceback" not in err
+    assert "minimum feasible activation peak" in err and "Traceback" not in err
     assert main(["plan", "missing.json"]) == 2
     assert "no chain file" in capsys.readouterr().err
 

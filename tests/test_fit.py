@@ -280,7 +280,7 @@ def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixt
     # the summary: chosen levers, predicted and measured peak (bytes exact), both in budget
     assert main([*common, "--budget", "8MiB", "--density", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "remat.fit: budget 8.00 MiB -> fp32" in out and "density 0.5" in out
+    assert "remat.fit: whole-step budget 8.00 MiB -> fp32" in out and "density 0.5" in out
     match = re.search(r"\((\d+) / (\d+) B\)", out)
     assert match is not None, out
     predicted, measured = int(match[1]), int(match[2])

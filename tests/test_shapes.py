@@ -367,9 +367,12 @@ def test_percent_budgets_in_plan_fit_and_the_cli(capsys: pytest.CaptureFixture[s
     p = remat.plan(chain, "optimal-time", "50%")
     assert p.params["budget_bytes"] == unplanned // 2
     assert p.predicted_peak_bytes <= unplanned // 2
-    assert main(["plan", "homogeneous:8", "--method", "optimal-time", "--budget", "50%"]) == 0
+    assert (
+        main(["plan", "homogeneous:8", "--method", "optimal-time", "--activation-budget", "50%"])
+        == 0
+    )
     assert "optimal-time" in capsys.readouterr().out
-    assert main(["plan", "homogeneous:8", "--budget", "0.5"]) != 0
+    assert main(["plan", "homogeneous:8", "--activation-budget", "0.5"]) != 0
     assert "fractions are not bytes" in capsys.readouterr().err
     model, x = _mlp(layers=4), torch.randn(64, 128)
     with pytest.raises(ValueError, match="fractions are not bytes"):

@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import dataclass
+from typing import Any
 
 from remat.costs import Chain
-from remat.planners import BudgetTooSmallError, available, plan_chain
+from remat.planners import BudgetTooSmallError, available, plan_chain, sweep
 from remat.plans import Plan
 from remat.simulate import simulate
 
 __all__ = ["plan", "pareto", "ParetoPoint", "compare", "Comparison"]
 
 
-def plan(
-    chain: Chain, method: str = "optimal-time", budget: int | float | str | None = None
-) -> Plan:
-    """Plan ``chain`` with the planner ``method`` under a peak-memory ``budget``.
+_UNSET: Any = object()
 
-    ``budget`` is the peak activation memory that :func:`remat.simulate` predicts (bytes, a
-    string such as ``"512MiB"``, or a percentage of the unplanned activation peak such as
-    ``"50%"``: :func:`remat.units.resolve_budget`); ``None`` lets the planner pick its default. The returned plan
+
+def _activation_budget(activation_budget: Any, budget: Any, where: str) -> Any:
+    """``activation_budget``, or the deprecated ``budget=`` alias (with a DeprecationWarning)."""
+    if budget is _UNSET:
+        return activation_budget
+    if activation_budget is not None:
+        raise TypeError(f"{where} got both activation_budget= and its deprecated alias budget=")
+    warnings.warn(
+        f"{where}(budget=...) is deprecated and will be removed in the next release: use "
+        f"{where}(activation_budget=...) (the peak of the activations; budget= of remat.auto "
+        "and remat.fit is the whole training step)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return budget
+
+
+def plan(
+    chain: Chain,
+    method: str = "optimal-time",
+    activation_budget: int | float | str | None = None,
+    *,
+    budget: int | float | str | None = _UNSET,
+) -> Plan:
+    """Plan ``chain`` with the planner ``method`` under an ``activation_budget``.
+
+    ``activation_budget`` is the peak activation memory that :func:`remat.simulate` predicts
+    (bytes, a string such as ``"512MiB"``, or a percentage of the unplanned activation peak such
+    as ``"50%"``: :func:`remat.units.resolve_budget`), not the whole training step (that is
+    ``budget=`` of :func:`remat.auto` and :func:`remat.fit`); ``None`` lets the planner pick its
+    default. ``budget=`` is its deprecated alias (a DeprecationWarning). The returned plan
     carries its simulated peak and time and the chain's fingerprint. Raises
     :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
 
@@ -28,14 +55,15 @@ def plan(
     >>> p.method, p.predicted_peak_bytes is not None
     ('chen-sqrt', True)
     """
+    activation_budget = _activation_budget(activation_budget, budget, "remat.plan")
     if not isinstance(chain, Chain):
         from remat.graphs.graph import Graph
         from remat.graphs.planners import plan_graph
 
         if isinstance(chain, Graph):  # the graph planners: reforward, checkmate-milp, ...
-            return plan_graph(chain, method, budget)  # type: ignore[return-value]
+            return plan_graph(chain, method, activation_budget)  # type: ignore[return-value]
         raise TypeError(f"plan takes a Chain or a Graph, got {type(chain).__name__}")
-    return plan_chain(chain, method, budget)
+    return plan_chain(chain, method, activation_budget)
 
 
 @dataclass(frozen=True)
@@ -81,38 +109,12 @@ def pareto(
     result: dict[str, list[ParetoPoint]] = {}
     for method in methods:
         points = [pt for pt in floor_points if pt.method == method]
-        for b, p in zip(budgets, _plans_for_budgets(chain, method, budgets), strict=True):
+        for b, p in zip(budgets, sweep(chain, method, budgets), strict=True):
             if p is not None:
                 points.append(
                     ParetoPoint(method, b, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
                 )
         result[method] = _frontier(points)
-    return result
-
-
-def _plans_for_budgets(chain: Chain, method: str, budgets: list[int]) -> list[Plan | None]:
-    """One plan per budget (None where it does not fit); optimal-time shares one DP table."""
-    if method == "optimal-time":
-        from remat.planners.optimal_time import sweep
-
-        plans = sweep(chain, budgets)
-        return [
-            None
-            if p is None
-            else replace(
-                p,
-                method=method,
-                predicted_peak_bytes=simulate(chain, p).peak_bytes,
-                predicted_time=simulate(chain, p).total_time,
-            ).made_for(chain)
-            for p in plans
-        ]
-    result: list[Plan | None] = []
-    for b in budgets:
-        try:
-            result.append(plan(chain, method, b))
-        except BudgetTooSmallError:
-            result.append(None)
     return result
 
 
@@ -145,16 +147,22 @@ class Comparison:
 
 
 def compare(
-    chain: Chain, methods: list[str] | None = None, budget: int | float | str | None = None
+    chain: Chain,
+    methods: list[str] | None = None,
+    activation_budget: int | float | str | None = None,
+    *,
+    budget: int | float | str | None = _UNSET,
 ) -> list[Comparison]:
-    """Run every planner (or ``methods``) on ``chain`` at ``budget``; one row each."""
+    """Run every planner (or ``methods``) on ``chain`` at ``activation_budget``; one row each
+    (``budget=``: its deprecated alias)."""
     import time
 
+    activation_budget = _activation_budget(activation_budget, budget, "remat.compare")
     rows = []
     for method in methods or available():
         start = time.perf_counter()
         try:
-            p = plan(chain, method, budget)
+            p = plan(chain, method, activation_budget)
         except BudgetTooSmallError as err:
             rows.append(
                 Comparison(method, None, None, None, time.perf_counter() - start, None, str(err))

@@ -151,7 +151,7 @@ class AutoSummary:
         )
         return "\n".join(
             [
-                f"remat.auto: {size}, planner {self.method!r}, budget {budget}",
+                f"remat.auto: {size}, planner {self.method!r}, whole-step budget {budget}",
                 f"  fixed (params, grads, buffers, optimizer): {format_bytes(self.fixed_bytes)}",
                 f"  activations: {format_bytes(self.unplanned_activation_peak_bytes)} -> "
                 f"{format_bytes(self.predicted_activation_peak_bytes)}",
@@ -311,12 +311,13 @@ def plan_for_total_budget(
                 else ""
             )
             + "; shrink them with the levers (precision, sparsity) first",
+            kind="whole-step",
         )
     try:
         return make_plan(chain, method, activation_budget)
     except BudgetTooSmallError as err:
         raise BudgetTooSmallError(
-            total, held + err.minimum_bytes, method, "total training-step peak"
+            total, held + err.minimum_bytes, method, "total training-step peak", kind="whole-step"
         ) from None
 
 
@@ -414,17 +415,16 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
     checked exactly.
 
     If the plan made for the activation budget ``total - costs.held_bytes`` fits, it is the
-    answer (no fitting plan keeps more activations). Otherwise, for ``optimal-time``, the
-    fastest fitting plan among the Pareto plans of a fixed grid of activation budgets (one DP
-    table, :func:`remat.planners.optimal_time.sweep`), the flat plans of the other planners,
-    and the plans of a binary search on the activation budget: the step's peak is not a
-    monotone function of the activation peak (a parameter gradient made early in the backward
-    can meet a recomputation), so the largest activation budget that fits is not always the
-    fastest plan. For other planners: the binary search's largest fitting activation budget.
+    answer (no fitting plan keeps more activations). Otherwise the fastest fitting plan among
+    ``method``'s candidates (:func:`remat.planners.candidates`: its plans at a fixed grid of
+    activation budgets, one DP table for optimal-time, which adds the baselines' plans) and the
+    plans of a binary search on the activation budget: the step's peak is not a monotone
+    function of the activation peak (a parameter gradient made early in the backward can meet a
+    recomputation), so the largest activation budget that fits is not always the fastest plan.
     When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
     the error names its whole-step peak, a budget this function accepts."""
     from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError
+    from remat.planners import BudgetTooSmallError, candidates
 
     pool: list[Plan] = []
 
@@ -453,13 +453,12 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
             best, lo = candidate, mid
         else:
             hi = mid
-    if method == "optimal-time":
-        for candidate in _optimal_time_candidates(chain):
-            if chain_step_peak(chain, candidate, costs) <= total:
-                pool.append(candidate)
-        if pool:
-            timed = [(simulate(chain, p).total_time, p) for p in pool]
-            best = min(timed, key=lambda tp: tp[0])[1]
+    for candidate in candidates(chain, method):
+        if chain_step_peak(chain, candidate, costs) <= total:
+            pool.append(candidate)
+    if pool:
+        timed = [(simulate(chain, p).total_time, p) for p in pool]
+        best = min(timed, key=lambda tp: tp[0])[1]
     if best is None:
         least, need = _least_step_peak(chain, method, costs)
         if need <= total:
@@ -475,6 +474,7 @@ def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: st
             method,
             f"parameters, buffers and optimizer state take {format_bytes(costs.persistent_bytes)}"
             f", parameter gradients {format_bytes(sum(costs.grad_bytes))}{output}",
+            kind="whole-step",
         )
     return best
 
@@ -484,17 +484,10 @@ def _least_step_peak(chain: Chain, method: str, costs: StepCosts) -> tuple[Plan,
     peak: a budget :func:`_largest_fitting_plan` always accepts (checkpoint RNG states, the
     held output and the optimizer step included)."""
     from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
 
-    if method == "optimal-time":
-        least = make_plan(chain, method, min_feasible_peak(chain))
-    else:
-        least = make_plan(chain, method, None)
+    least = make_plan(chain, method, least_peak(chain, method))
     return least, chain_step_peak(chain, least, costs)
-
-
-GRID_POINTS = 16
-"""Activation budgets of :func:`_optimal_time_candidates`' grid (geometric)."""
 
 
 def _optimizer_step_too_large(
@@ -510,6 +503,7 @@ def _optimizer_step_too_large(
         f"the optimizer step alone needs {format_bytes(phase)} (parameters, gradients, buffers, "
         f"state, the batch and {format_bytes(step_bytes)} of its own temporaries); shrink them "
         "with the levers (precision, sparsity) or use an optimizer with foreach=False",
+        kind="whole-step",
     )
 
 
@@ -517,32 +511,9 @@ def _least_activation_peak(chain: Chain, method: str) -> int:
     """The least activation peak ``method`` reaches (time-independent for optimal-time: the
     least peak of any nested plan); with every gradient and the fixed bytes added, a whole-step
     budget that is always feasible."""
-    from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
 
-    if method == "optimal-time":
-        return min_feasible_peak(chain)
-    return make_plan(chain, method, None).predicted_peak_bytes or 0
-
-
-def _optimal_time_candidates(chain: Chain) -> list[Plan]:
-    """optimal-time's plans at :data:`GRID_POINTS` activation budgets from the least feasible
-    peak to the unplanned one, and the other planners' plans (made for their own defaults):
-    candidates for the fastest plan under a whole-step budget."""
-    from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak, sweep
-
-    floor = min_feasible_peak(chain)
-    top = simulate(chain, Plan.none(chain)).peak_bytes
-    ratio = (top / floor) ** (1 / (GRID_POINTS - 1)) if floor > 0 else 1.0
-    budgets = sorted({int(floor * ratio**k) for k in range(GRID_POINTS)} | {floor, top})
-    found = [p.for_chain(chain) for p in sweep(chain, budgets) if p is not None]
-    for method in ("none", "every-stage", "chen-sqrt", "chen-budget", "hong-dp"):
-        try:
-            found.append(make_plan(chain, method))
-        except Exception:  # noqa: BLE001 - a planner that cannot plan this chain adds nothing
-            continue
-    return found
+    return least_peak(chain, method)
 
 
 def stage_grad_bytes(stages: Any) -> list[int]:
@@ -634,6 +605,7 @@ def _fastest_fitting_graph_plan(
             min(step_peak(plan) for _, plan in candidates),
             "checkmate-milp",
             "total training-step peak (graph)",
+            kind="whole-step",
         )
     return min(fitting, key=lambda item: simulate_graph(graph, item[1]).total_time)
 
@@ -817,6 +789,7 @@ def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
             f"re-planning the training step for the new inputs {shape}: the plan depends on "
             "the batch shape; raise the budget to the minimum or call the model on smaller "
             "inputs",
+            kind="whole-step",
         ) from err
 
 

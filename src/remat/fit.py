@@ -114,8 +114,8 @@ class FitBudgetError(BudgetTooSmallError):
     def __init__(self, budget_bytes: int, minimum_bytes: int, where: str, detail: str = "") -> None:
         ValueError.__init__(
             self,
-            f"budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the smallest "
-            f"peak any combination of plans, precision and microbatching reaches: "
+            f"whole-step budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the "
+            f"smallest peak any combination of plans, precision and microbatching reaches: "
             f"{format_bytes(minimum_bytes)} ({minimum_bytes} B), with {where}. Raise the budget "
             f"to at least {minimum_bytes} B, or add levers (more microbatches, bf16, a smaller "
             "optimizer)" + (f"; {detail}" if detail else ""),
@@ -123,6 +123,7 @@ class FitBudgetError(BudgetTooSmallError):
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.method = _METHOD
+        self.kind = "whole-step"
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,8 @@ class FitSetup:
     # -------------------------------------------------------------- reporting
     def __str__(self) -> str:
         lines = [
-            f"remat.fit: budget {format_bytes(self.budget_bytes)} -> {self.describe_levers()}",
+            f"remat.fit: whole-step budget {format_bytes(self.budget_bytes)} -> "
+            f"{self.describe_levers()}",
             f"  predicted peak {format_bytes(self.predicted_peak_bytes)}"
             + (
                 f", measured {format_bytes(self.measured_peak_bytes)}"
@@ -532,7 +534,8 @@ def fit(
     if setup.measured_peak_bytes is not None and setup.measured_peak_bytes > budget_bytes:
         warnings.warn(
             f"the chosen setup's measured peak {format_bytes(setup.measured_peak_bytes)} "
-            f"exceeds the budget {format_bytes(budget_bytes)} after {_MAX_REMEASURE} re-plans",
+            f"exceeds the whole-step budget {format_bytes(budget_bytes)} after {_MAX_REMEASURE} "
+            "re-plans",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -889,11 +892,11 @@ def _least_memory_plan(chain: Chain) -> Plan:
     times (the fewest recomputations at unit cost), so that the least peak a combination
     reaches, and with it :class:`FitBudgetError`'s minimum, does not move with timing noise."""
     from remat.api import plan as make_plan
-    from remat.planners.optimal_time import min_feasible_peak
+    from remat.planners import least_peak
     from remat.simulate import simulate
 
     unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
-    least = make_plan(unit, _METHOD, min_feasible_peak(chain))
+    least = make_plan(unit, _METHOD, least_peak(chain, _METHOD))
     least = least.made_for(chain)
     sim = simulate(chain, least)
     params = {**least.params, "least_memory": True}

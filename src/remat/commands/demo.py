@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         f"\n== 3. every planner at an activation budget of {format_bytes(budget)} "
         f"({args.fraction:.0%} of the unplanned peak)"
     )
-    print(format_comparison(chain, compare(chain, budget=budget)))
+    print(format_comparison(chain, compare(chain, activation_budget=budget), budget))
 
     fixed = fixed_bytes(model)
     plan = plan_for_total_budget(chain, fixed, fixed + budget, "optimal-time")

@@ -9,7 +9,9 @@ from typing import Any
 
 from remat.api import Comparison, compare
 from remat.costs import Chain
-from remat.units import format_bytes, format_time
+from remat.plans import Plan
+from remat.simulate import simulate
+from remat.units import format_bytes, format_time, resolve_budget
 
 __all__ = ["add_parser", "run", "load_chain", "format_comparison"]
 
@@ -27,8 +29,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("source", help="chain JSON file, homogeneous:N, random:N[:SEED], or a model")
     p.add_argument("--method", help="one planner (default: every planner side by side)")
     p.add_argument(
+        "--activation-budget",
         "--budget",
-        help="peak activation budget, bytes, e.g. '512MiB', or '50%%' of the unplanned peak",
+        dest="activation_budget",
+        metavar="BYTES",
+        help="peak activation budget (activations only, not the whole step: that is "
+        "'remat fit --budget'), bytes, e.g. '512MiB', or '50%%' of the unplanned activation "
+        "peak; --budget is an older alias",
     )
     p.add_argument("--batch", type=int, help="batch size when SOURCE is a model")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -56,20 +63,25 @@ def load_chain(source: str, batch: int | None = None) -> Chain:
     return capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
 
 
-def format_comparison(chain: Chain, rows: list[Comparison]) -> str:
-    """A text table: one row per planner, memory and time relative to storing everything."""
-    from remat.plans import Plan
-    from remat.simulate import simulate
-
+def format_comparison(
+    chain: Chain, rows: list[Comparison], activation_budget_bytes: int | None = None
+) -> str:
+    """A text table: one row per planner, memory and time relative to storing everything,
+    under the activation budget the planners were given (``None``: their defaults)."""
     base = simulate(chain, Plan.none(chain))
     unit = format_time if chain.time_unit == "s" else (lambda t: f"{t:.3g} flop")
+    budget = (
+        "none (each planner's default)"
+        if activation_budget_bytes is None
+        else format_bytes(activation_budget_bytes)
+    )
     header = (
         f"{'planner':<15} {'peak':>12} {'memory':>7} {'time':>12} {'time':>6} "
         f"{'plan time':>10}  plan"
     )
     lines = [
-        f"chain: {chain.n} stages, store-all peak {format_bytes(base.peak_bytes)}, "
-        f"step {unit(base.total_time)}",
+        f"chain: {chain.n} stages, store-all activation peak {format_bytes(base.peak_bytes)}, "
+        f"step {unit(base.total_time)}; activation budget {budget}",
         header,
         f"{'':<15} {'':>12} {'ratio':>7} {'':>12} {'ratio':>6}",
     ]
@@ -94,7 +106,14 @@ def format_comparison(chain: Chain, rows: list[Comparison]) -> str:
 def run(args: argparse.Namespace) -> int:
     chain = load_chain(args.source, args.batch)
     methods = [args.method] if args.method else None
-    rows = compare(chain, methods, args.budget)
+    budget_bytes = None
+    if args.activation_budget is not None:
+        budget_bytes = resolve_budget(
+            args.activation_budget,
+            lambda: simulate(chain, Plan.none(chain)).peak_bytes,
+            "the unplanned activation peak",
+        )
+    rows = compare(chain, methods, budget_bytes)
     if args.method and rows[0].plan is None:
         raise ValueError(rows[0].error)
     if args.out:
@@ -105,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([_row_json(r) for r in rows], indent=1))
     else:
-        print(format_comparison(chain, rows))
+        print(format_comparison(chain, rows, budget_bytes))
     return 0
 
 

@@ -30,8 +30,10 @@ from remat.graphs.plan import GRAPH_PLAN_SCHEMA_VERSION, GraphPlan, GraphPlanErr
 from remat.graphs.planners import (
     available_graph_planners,
     get_graph_planner,
+    least_graph_peak,
     plan_graph,
     register_graph_planner,
+    sweep_graph,
 )
 from remat.graphs.simulate import (
     GraphEvent,
@@ -64,6 +66,8 @@ __all__ = [
     "register_graph_planner",
     "get_graph_planner",
     "available_graph_planners",
+    "sweep_graph",
+    "least_graph_peak",
     "GRAPH_SCHEMA_VERSION",
     "GRAPH_PLAN_SCHEMA_VERSION",
 ]

@@ -1,7 +1,10 @@
 """Graph planners: pure functions ``(graph, budget, **options) -> GraphPlan``, selected by name.
 
-Every graph planner has the signature ``planner(graph: Graph, budget: int | None, **options)``
-and is registered with :func:`register_graph_planner`. ``budget`` is the peak memory in bytes
+Every graph planner satisfies :class:`GraphPlanner`: it is called as
+``planner(graph: Graph, budget: int | None, **options)`` and may carry the optional ``sweep``
+and ``least_peak`` methods of the chain planners' protocol (:class:`remat.planners.Planner`);
+:func:`sweep_graph` and :func:`least_graph_peak` use them, or a generic rule. It is registered
+with :func:`register_graph_planner`. ``budget`` is the peak memory in bytes
 that :func:`remat.graphs.simulate_graph` must predict (``None``: the planner's default);
 ``options`` are the planner's keyword settings (validated by its own config dataclass).
 :func:`plan_graph` is the entry point: it parses the budget, calls the planner, and stamps the
@@ -22,9 +25,9 @@ Registered planners (name -> module):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan
@@ -37,21 +40,44 @@ __all__ = [
     "register_graph_planner",
     "get_graph_planner",
     "available_graph_planners",
+    "sweep_graph",
+    "least_graph_peak",
     "GraphPlanner",
 ]
 
-GraphPlanner = Callable[..., GraphPlan]
+
+@runtime_checkable
+class GraphPlanner(Protocol):
+    """A graph planner: ``planner(graph, budget_bytes, **options) -> GraphPlan``.
+
+    Optional, as for chain planners (:class:`remat.planners.Planner`):
+    ``sweep(graph, budgets, **options) -> list[GraphPlan | None]`` and
+    ``least_peak(graph, **options) -> int``.
+    """
+
+    def __call__(self, graph: Graph, budget: int | None, /, **options: Any) -> GraphPlan: ...
+
 
 _REGISTRY: dict[str, GraphPlanner] = {}
 _MODULES = ("reforward", "milp", "articulation")
 
 
-def register_graph_planner(name: str) -> Callable[[GraphPlanner], GraphPlanner]:
-    """Decorator: register ``fn`` as the graph planner called ``name``."""
+def register_graph_planner(
+    name: str,
+    *,
+    sweep: Callable[..., list[GraphPlan | None]] | None = None,
+    least_peak: Callable[..., int] | None = None,
+) -> Callable[[GraphPlanner], GraphPlanner]:
+    """Decorator: register ``fn`` as the graph planner called ``name``, with its optional
+    ``sweep`` and ``least_peak`` methods (see :class:`GraphPlanner`) attached to it."""
 
     def wrap(fn: GraphPlanner) -> GraphPlanner:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"graph planner {name!r} is registered twice")
+        if sweep is not None:
+            fn.sweep = sweep  # type: ignore[attr-defined]
+        if least_peak is not None:
+            fn.least_peak = least_peak  # type: ignore[attr-defined]
         _REGISTRY[name] = fn
         return fn
 
@@ -108,7 +134,47 @@ def plan_graph(
             lambda: simulate_graph(graph, GraphPlan.none()).peak_bytes,
             "the unplanned peak",
         )
-    result = get_graph_planner(method)(graph, budget_bytes, **options).for_graph(graph)
+    found = get_graph_planner(method)(graph, budget_bytes, **options)
+    return _stamped(graph, method, found, budget_bytes)
+
+
+def sweep_graph(
+    graph: Graph, method: str, budgets: Iterable[int], **options: Any
+) -> list[GraphPlan | None]:
+    """:func:`plan_graph` at each of ``budgets`` (bytes), ``None`` where the planner raises
+    :class:`~remat.planners.BudgetTooSmallError`; the planner's own ``sweep`` when it has one."""
+    budgets = list(budgets)
+    own = getattr(get_graph_planner(method), "sweep", None)
+    if own is None:
+        result: list[GraphPlan | None] = []
+        for budget in budgets:
+            try:
+                result.append(plan_graph(graph, method, budget, **options))
+            except BudgetTooSmallError:
+                result.append(None)
+        return result
+    stamped: list[GraphPlan | None] = []
+    for budget, found in zip(budgets, own(graph, budgets, **options), strict=True):
+        try:
+            stamped.append(None if found is None else _stamped(graph, method, found, budget))
+        except BudgetTooSmallError:
+            stamped.append(None)
+    return stamped
+
+
+def least_graph_peak(graph: Graph, method: str, **options: Any) -> int:
+    """The least peak (bytes) the graph planner ``method`` reaches on ``graph``: its own
+    ``least_peak`` when it has one, else the simulated peak of its plan without a budget."""
+    own = getattr(get_graph_planner(method), "least_peak", None)
+    if own is not None:
+        return int(own(graph, **options))
+    return plan_graph(graph, method, None, **options).predicted_peak_bytes or 0
+
+
+def _stamped(graph: Graph, method: str, found: GraphPlan, budget_bytes: int | None) -> GraphPlan:
+    """``found`` checked against ``budget_bytes`` and stamped with its method, budget,
+    simulated cost and the graph's fingerprint (see :func:`plan_graph`)."""
+    result = found.for_graph(graph)
     sim = simulate_graph(graph, result)
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:
         raise BudgetTooSmallError(

@@ -75,6 +75,7 @@ from remat.plans import Plan, Segment
 
 __all__ = [
     "plan_optimal_time",
+    "candidates",
     "solve",
     "sweep",
     "min_feasible_peak",
@@ -100,7 +101,6 @@ _FLOAT32_MARGIN = 1e-4
 
 
 # ====================================================================== public API
-@register(METHOD)
 def plan_optimal_time(chain: Chain, budget: int | None = None) -> Plan:
     """The fastest nested plan whose simulated peak is at most ``budget`` bytes (see module)."""
     return solve(chain, budget)
@@ -821,3 +821,23 @@ def _recursion_limit(limit: int) -> Iterator[None]:
         yield
     finally:
         sys.setrecursionlimit(old)
+
+
+_REFERENCE_PLANNERS = ("none", "every-stage", "chen-sqrt", "chen-budget", "hong-dp")
+"""The planners whose default plans :func:`candidates` adds to the grid."""
+
+
+def candidates(chain: Chain) -> list[Plan]:
+    """The plans to weigh under a whole-step budget: the grid of activation budgets
+    (:func:`remat.planners.grid_candidates`, one DP table) and the default plans of
+    :data:`_REFERENCE_PLANNERS`. optimal-time promises the least time; under a budget on the
+    whole step (whose peak is not a monotone function of the activation peak) a baseline's plan
+    can fit where the grid's plans of similar time do not, and is then the faster answer."""
+    from remat.planners import grid_candidates, plan_chain
+
+    return grid_candidates(chain, METHOD) + [plan_chain(chain, m) for m in _REFERENCE_PLANNERS]
+
+
+register(METHOD, sweep=sweep, least_peak=min_feasible_peak, candidates=candidates)(
+    plan_optimal_time
+)
