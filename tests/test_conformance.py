@@ -10,7 +10,7 @@ the every-block baseline) is ``benchmarks/conformance.py``; its table is in
 docs/results/conformance/.
 
 Cases that fail today because of a known remat bug are ``xfail(strict=True)`` naming the bug
-(FINDINGS.md): they turn into failures (XPASS) once it is fixed; remove the mark then.
+(docs/results/conformance/FINDINGS.md): they turn into failures (XPASS) once it is fixed; remove the mark then.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FRACTION_OF = {name: FRACTIONS[i % len(FRACTIONS)] for i, name in enumerate(MODE
 # shows on that model: the output held through the step, chain path and graph path (auto picks
 # plan 'none', whose held step then peaks above the budget). hf-opt's loss_fn at 10 % is left
 # to the benchmark: the MILP's plan follows measured timings, and one of its plans is
-# under-predicted by 8 KiB (FINDINGS.md): a test there would pass or fail by the plan drawn
+# under-predicted by 8 KiB (docs/results/conformance/FINDINGS.md): a test there would pass or fail by the plan drawn
 FRACTION_OF |= {"hf-gpt2": 0.9, "hf-opt": 0.9}
 # Loop shapes left to the benchmark: WithLoss around MobileNetV3 is not a chain, a 116-node
 # graph whose MILP takes a minute on 2 cores
@@ -48,10 +48,6 @@ DETECTION_CALLS = (
     "forward is not deterministic in its calls'; when capture happens to succeed, the minimum "
     "auto names (87.5 MB) is above the eager step's measured peak (75.3 MB)"
 )
-HELD_UNDER = (
-    "chain path, output held: Mistral's planned step measured 734248 B at a 730841 B budget "
-    "(predicted 702748 B): the held output's bytes or a stage's are under-counted"
-)
 FROZEN_PREFIX = (
     "graph path, LoRA, output held: measured 523464 B at a 511631 B budget (predicted "
     "499856 B): activations before the first adapter need no gradient, get no graph node, "
@@ -69,7 +65,6 @@ ABOVE_EVERY_BLOCK = (
     "backward) are larger than the difference"
 )
 XFAIL: dict[tuple[str, str], str] = {
-    ("hf-mistral", "held"): HELD_UNDER,
     ("peft-lora-llama", "held"): FROZEN_PREFIX,
     ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
 }

@@ -342,7 +342,7 @@ def _tiny_mobilenet_v3(dilated: bool = False) -> nn.Module:
 def _tv_resnet10() -> nn.Module:
     """torchvision's ResNet with one BasicBlock per stage (resnet18 has two): at 64² x 8,
     resnet18's 11 M parameters make most of the step (auto's least plannable peak lies above
-    the eager step's measured one, FINDINGS.md)."""
+    the eager step's measured one, docs/results/conformance/FINDINGS.md)."""
     from torchvision.models.resnet import BasicBlock, ResNet
 
     return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
@@ -1024,7 +1024,7 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
         f"Measured {machine['date']} on {machine['device']} ({machine.get('cpus')} CPUs, "
         f"{machine['threads']} torch threads), torch {machine['torch']}; the run took "
         f"{seconds:.0f} s. Written by `benchmarks/conformance.py` "
-        "(`remat.bench.conformance`); the failures are discussed in FINDINGS.md.",
+        "(`remat.bench.conformance`); the failures are discussed in docs/results/conformance/FINDINGS.md.",
         "",
         "Each model is trained through `remat.auto` with three loop shapes — **held** (output "
         "held to the end of the step, auto's default loss), **inside** (loss computed inside "
