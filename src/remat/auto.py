@@ -559,14 +559,14 @@ def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
     return best
 
 
-def _criterion_unknown(loss_fn: Any, batch: Any) -> bool:
-    """Whether the loop applies a criterion remat did not capture: no ``loss_fn`` and no
-    ``labels`` in a dict batch (a Hugging Face model given labels computes its own loss, which
-    the capture runs). Then :func:`remat.step.output_held_bytes` counts what such a criterion
-    saves beside the held output."""
-    if loss_fn is not None:
-        return False
-    return not (isinstance(batch, Mapping) and batch.get("labels") is not None)
+def _criterion_bytes(loss_fn: Any, batch: Any, captured: Any) -> int:
+    """What the loop's own criterion may save beside the held output, where remat did not
+    capture it (no ``loss_fn``, and no ``labels`` in a dict batch: a Hugging Face model given
+    labels computes its own loss, which the capture ran): the largest output tensor's bytes
+    (:func:`remat.step.output_held_bytes`)."""
+    if loss_fn is not None or (isinstance(batch, Mapping) and batch.get("labels") is not None):
+        return 0
+    return captured.largest_output_bytes
 
 
 def _fastest_fitting_graph_plan(
@@ -654,7 +654,7 @@ def _auto_graph(
             grad_bytes=tuple(grads),
             optimizer_step_bytes=step_bytes,
             output_held_bytes=output_held_bytes(
-                loop, trace.output_bytes, _criterion_unknown(loss_fn, batch)
+                loop, trace.output_bytes, _criterion_bytes(loss_fn, batch, trace)
             ),
             input_bytes=trace.graph.input_bytes,
             slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
@@ -857,7 +857,7 @@ def auto(
             grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
             optimizer_step_bytes=step_bytes,
             output_held_bytes=output_held_bytes(
-                loop, new.output_bytes, _criterion_unknown(loss_fn, batch)
+                loop, new.output_bytes, _criterion_bytes(loss_fn, batch, new)
             ),
             input_bytes=new.chain.input_bytes,
             slack_bytes=slack,
@@ -876,7 +876,7 @@ def auto(
             grads,
             new.grad_rise_bytes,
             step_bytes,
-            output_held_bytes(loop, new.output_bytes, _criterion_unknown(loss_fn, batch)),
+            output_held_bytes(loop, new.output_bytes, _criterion_bytes(loss_fn, batch, new)),
             slack,
         )
         return plan, total

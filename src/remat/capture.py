@@ -104,6 +104,9 @@ class Captured:
     """Unique bytes of what the model returns (``Stages.finish``: e.g. the logits, and a Hugging
     Face model's loss), parameters, buffers and the batch excluded: what a training loop that
     holds the output keeps through the step (:class:`remat.step.StepCosts`)."""
+    largest_output_bytes: int = 0
+    """Bytes of the largest tensor of that output (the logits): what a criterion the loop
+    applies to it may save for its backward (:func:`remat.step.output_held_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ def _capture(
                     b.copy_(saved)
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split, rises, output)
+    return Captured(chain, split, rises, *output)
 
 
 # ---------------------------------------------------------------------- implementation
@@ -289,7 +292,7 @@ def _measure_chain(
         p.grad = None
     costs: list[StageCost] = []
     outs: list[int] = []
-    held: list[int] = []  # the model's output (what finish returns), measured once
+    held: list[tuple[int, int]] = []  # the model's output (what finish returns): all, largest
     x = a0
     n = split.n
     bar = tqdm(total=n, desc="measuring stages", unit="stage", disable=not progress, leave=False)
@@ -308,7 +311,8 @@ def _measure_chain(
                         out = split.finish(module(inp), *a, **k)
                         if not held:
                             new = _keys(output_tensors(out))
-                            held.append(sum(v for key, v in new.items() if key not in skip))
+                            kept = [v for key, v in new.items() if key not in skip]
+                            held.append((sum(kept), max(kept, default=0)))
                         return out
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
@@ -362,7 +366,7 @@ def _measure_chain(
         time_unit="flop" if fake else "s",
         stages_fingerprint=split.fingerprint,
     )
-    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else 0
+    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0)
 
 
 def measure_stage(

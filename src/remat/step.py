@@ -58,16 +58,16 @@ def check_loop(loop: str) -> str:
     return loop
 
 
-def output_held_bytes(loop: str, model_output_bytes: int, criterion_unknown: bool = False) -> int:
+def output_held_bytes(loop: str, model_output_bytes: int, criterion_bytes: int = 0) -> int:
     """Bytes of the model's output that ``loop`` keeps alive beside the step's activations.
 
-    With ``criterion_unknown`` (remat planned with its default loss, a sum, while the loop
-    applies its own criterion to the held output) one more output-sized tensor is counted: what
-    a criterion saves for its backward (cross-entropy's log-softmax, a squared error's
-    difference), which the captured sum does not have."""
+    ``criterion_bytes``: where remat planned with its default loss (a sum) while the loop
+    applies its own criterion to the held output, what that criterion saves for its backward
+    (cross-entropy's log-softmax: the size of the largest output tensor, the logits), which the
+    captured sum does not have; 0 where the captured loss is the loop's own."""
     if check_loop(loop) != "output-held":
         return 0
-    return model_output_bytes * (2 if criterion_unknown else 1)
+    return model_output_bytes + criterion_bytes
 
 
 class StepEvent(NamedTuple):

@@ -182,6 +182,8 @@ class GraphTrace:
     """Unique bytes of what the model's forward returned (parameters, buffers and the batch
     excluded): what a training loop that holds the output keeps through the step
     (:class:`remat.step.StepCosts`)."""
+    largest_output_bytes: int = field(default=0)
+    """Bytes of the largest tensor of that output (what a criterion on it may save)."""
 
 
 def capture_graph(
@@ -315,6 +317,7 @@ class _State:
     stray_saves: int = 0
     dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
     output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
+    largest_output_bytes: int = 0  # its largest tensor (what a criterion on it may save)
     batch_ids: set[int] = field(default_factory=set)
 
     def scope(self) -> str:
@@ -344,15 +347,15 @@ def _key(st: _State, t: torch.Tensor) -> int:
     return key
 
 
-def _output_bytes(st: _State, out: Any) -> int:
-    """Bytes of the tensors in ``out`` that are not parameters, buffers or the batch (each
+def _output_bytes(st: _State, out: Any) -> tuple[int, int]:
+    """Bytes of the tensors in ``out``, and of the largest of them, that are not parameters, buffers or the batch (each
     tensor once; from its shape alone: touching its storage here perturbs the tracker)."""
     fixed = {id(t) for t in (*st.root.parameters(), *st.root.buffers())}
     seen: dict[int, int] = {}
     for t in output_tensors(out):
         if id(t) not in fixed and id(t) not in st.batch_ids:
             seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+    return sum(seen.values()), max(seen.values(), default=0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -583,7 +586,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
         if module is model:
             st.inside -= 1
             with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
-                st.output_bytes = _output_bytes(st, out)
+                st.output_bytes, st.largest_output_bytes = _output_bytes(st, out)
 
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -1126,6 +1129,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         real_saved_bytes=sum(st.real_saved.values()),
         param_grad_bytes=tuple(param_grads),
         output_bytes=st.output_bytes,
+        largest_output_bytes=st.largest_output_bytes,
     )
 
 
