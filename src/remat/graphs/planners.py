@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan
 from remat.graphs.simulate import simulate_graph
-from remat.planners import BudgetTooSmallError
+from remat.planners import BudgetTooSmallError, stamp
 from remat.units import resolve_budget
 
 __all__ = [
@@ -172,25 +171,11 @@ def least_graph_peak(graph: Graph, method: str, **options: Any) -> int:
 
 
 def _stamped(graph: Graph, method: str, found: GraphPlan, budget_bytes: int | None) -> GraphPlan:
-    """``found`` checked against ``budget_bytes`` and stamped with its method, budget,
-    simulated cost and the graph's fingerprint (see :func:`plan_graph`)."""
+    """``found`` checked and stamped (:func:`remat.planners.stamp`) with the graph's
+    fingerprint (see :func:`plan_graph`)."""
     result = found.for_graph(graph)
     sim = simulate_graph(graph, result)
-    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
-        raise BudgetTooSmallError(
-            budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
-        )
-    params = dict(result.params)
-    if budget_bytes is not None:
-        params.setdefault("budget_bytes", budget_bytes)
-    return replace(
-        result,
-        method=method,
-        params=params,
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_time=sim.total_time,
-        graph_fingerprint=graph.fingerprint,
-    )
+    return stamp(result, sim, method, budget_bytes, graph_fingerprint=graph.fingerprint)
 
 
 @register_graph_planner("none")

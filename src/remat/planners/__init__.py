@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from remat.costs import Chain
 from remat.plans import Plan
@@ -46,6 +46,7 @@ __all__ = [
     "get_planner",
     "available",
     "plan_chain",
+    "stamp",
     "sweep",
     "least_peak",
     "candidates",
@@ -253,11 +254,16 @@ def candidates(chain: Chain, method: str) -> list[Plan]:
 
 
 def _stamped(chain: Chain, method: str, found: Plan, budget_bytes: int | None) -> Plan:
-    """``found`` checked against ``budget_bytes`` (:class:`BudgetTooSmallError` when its
-    simulated peak exceeds it) and stamped with its method, budget, simulated cost and the
-    chain's fingerprint."""
+    """``found`` checked and stamped (:func:`stamp`) with the chain's fingerprint."""
     result = found.for_chain(chain)
-    sim = simulate(chain, result)
+    return stamp(result, simulate(chain, result), method, budget_bytes).made_for(chain)
+
+
+def stamp(result: Any, sim: Any, method: str, budget_bytes: int | None, **fields: Any) -> Any:
+    """A chain or graph plan ``result`` checked against ``budget_bytes``
+    (:class:`BudgetTooSmallError` when its simulated peak ``sim.peak_bytes`` exceeds it) and
+    stamped with its method, budget, simulated cost and ``fields``: the one place both
+    :func:`plan_chain` and :func:`remat.graphs.plan_graph` finish a planner's plan."""
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:
         raise BudgetTooSmallError(
             budget_bytes, sim.peak_bytes, method, "the planner's best plan does not fit"
@@ -271,4 +277,5 @@ def _stamped(chain: Chain, method: str, found: Plan, budget_bytes: int | None) -
         params=params,
         predicted_peak_bytes=sim.peak_bytes,
         predicted_time=sim.total_time,
-    ).made_for(chain)
+        **fields,
+    )
