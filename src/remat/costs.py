@@ -40,6 +40,8 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from remat.schema import read_schema
+
 __all__ = ["Chain", "CHAIN_SCHEMA_VERSION"]
 
 CHAIN_SCHEMA_VERSION = 1
@@ -229,7 +231,6 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> Chain:
         """Read a chain written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.schema import read_schema
 
         data = read_schema(text, "remat.chain", CHAIN_SCHEMA_VERSION, "remat chain", ValueError)
         return cls._from_dict(data)

@@ -75,6 +75,8 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.guards import BatchCopy
+from remat.measure import AllocatorWindow
+from remat.schema import read_schema
 from remat.units import format_bytes
 
 __all__ = [
@@ -274,7 +276,6 @@ class MemoryReport:
     @classmethod
     def from_json(cls, text: str) -> MemoryReport:
         """Read a report written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.schema import read_schema
 
         data = read_schema(
             text,
@@ -395,8 +396,6 @@ def _measure(
     on_cpu = device.type == "cpu" and not fake
     window: Any = contextlib.nullcontext()
     if on_cpu:
-        from remat.measure import AllocatorWindow
-
         window = AllocatorWindow(device)
     try:
         with tracker:

@@ -46,6 +46,7 @@ from remat.guards import (
     in_place_input_error,
 )
 from remat.plans import Plan, PlanError, Segment
+from remat.profile import loss_from_output
 from remat.stages import Stages, StageWatch, _run_plain, split_stages
 
 __all__ = [
@@ -124,7 +125,6 @@ def call_loss(model: nn.Module, call: tuple[tuple, dict]) -> torch.Tensor:
     ``(args, kwargs)``; the loss is the output's ``.loss`` (a Hugging Face model given labels)
     or its sum (:func:`remat.profile.loss_from_output`). A planned module sees the model's
     arguments only, not the batch a user's ``loss_fn`` takes."""
-    from remat.profile import loss_from_output
 
     args, kwargs = call
     return loss_from_output(model(*args, **kwargs))

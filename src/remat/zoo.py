@@ -73,6 +73,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.profile import default_loss_fn
+
 __all__ = [
     "ZooModel",
     "get",
@@ -801,7 +803,6 @@ def _from_factory(
         )
     if batch is None:
         batch = guess_batch(result, batch_size or 8, torch.Generator().manual_seed(seed))
-    from remat.profile import default_loss_fn
 
     result.train()
     return ZooModel(spec, result, batch, default_loss_fn, f"{type(result).__name__} from {spec}")

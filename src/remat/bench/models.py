@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.zoo import ZooModel, classification_loss
+
 __all__ = ["DenseStage", "densenet_chain", "densenet121_chain"]
 
 
@@ -107,8 +109,6 @@ def densenet121_chain(
     ``(images, labels)`` of ``batch_size`` (default 8) × 3 × ``image_size``², cross-entropy
     loss. Returns a ``remat.zoo.ZooModel``."""
     import torchvision
-
-    from remat.zoo import ZooModel, classification_loss
 
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):

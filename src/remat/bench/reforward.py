@@ -61,6 +61,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from remat.graphs.capture import trace_levels
+from remat.graphs.graph import Graph
+from remat.graphs.milp import backward_floor
+from remat.graphs.plan import GraphPlan
+from remat.graphs.planners import plan_graph
+from remat.graphs.runtime import apply_graph
+from remat.graphs.simulate import simulate_graph
+from remat.measure import interleaved_times, median_ratio
+from remat.profile import profile
+
 __all__ = [
     "DEFAULT_MODELS",
     "MEASURED",
@@ -162,8 +172,6 @@ def capture(name: str, batch: int, image: int, level: str = LEVEL) -> tuple[Any,
     """``(graph, model, batch tensor, seconds)``: the graph under fake tensors."""
     import torch
 
-    from remat.graphs.capture import trace_levels
-
     model = build(name)
     x = torch.randn(batch, 3, image, image)
     start = time.perf_counter()
@@ -174,7 +182,6 @@ def capture(name: str, batch: int, image: int, level: str = LEVEL) -> tuple[Any,
 # ---------------------------------------------------------------------- planning
 def _plan(graph: Any, method: str, budget: int | None, milp_s: float, **options: Any) -> dict:
     """One planner run: ``{"plan", "seconds", "error", "minimum_bytes"}``; a failure is data."""
-    from remat.graphs.planners import plan_graph
 
     if method in _TIME_LIMITED:
         options["time_limit_s"] = milp_s
@@ -202,8 +209,6 @@ def plan_all(
     no plan in ``milp_s`` runs again for ``retry_s`` (``solver`` says so), then falls back to
     Checkmate's LP rounding (``solver`` says so too).
     """
-    from remat.graphs.plan import GraphPlan
-    from remat.graphs.simulate import simulate_graph
 
     art = {"chain_method": "optimal-time"}
     out = {
@@ -255,9 +260,6 @@ def _params(plan: Any) -> dict[str, Any]:
 
 def table_rows(name: str, graph: Any, plans: dict[str, dict], batch: int, image: int) -> list:
     """Rows of the main table for one model (see the module docstring)."""
-    from remat.graphs.milp import backward_floor
-    from remat.graphs.plan import GraphPlan
-    from remat.graphs.simulate import simulate_graph
 
     _, _, regular_mb, ogc_mb, regular_s, ogc_s = PAPER[name]
     none = simulate_graph(graph, GraphPlan.none())
@@ -323,11 +325,6 @@ def measure(
 ) -> list[dict]:
     """Apply ``plans`` (made on the full-batch graph; same nodes) to the eager model at
     ``batch``: measured time ratio (interleaved with the unplanned step) and exact peak."""
-    from remat.graphs.plan import GraphPlan
-    from remat.graphs.runtime import apply_graph
-    from remat.graphs.simulate import simulate_graph
-    from remat.measure import interleaved_times, median_ratio
-    from remat.profile import profile
 
     graph, model, x, _ = capture(name, batch, image)
     none_sim = simulate_graph(graph, GraphPlan.none())
@@ -383,8 +380,6 @@ def measure(
 def speed_rows(progress: Callable[[str], None]) -> list[dict]:
     """Planner wall time: reforward and articulation on DenseNet-201 at op level, checkmate-milp
     on ResNet-50 at module level at the reforward plan's memory."""
-    from remat.graphs.plan import GraphPlan
-    from remat.graphs.simulate import simulate_graph
 
     rows = []
     cases = (
@@ -855,11 +850,6 @@ def milp_speed(out: Path, time_limit_s: float = SPEED_TARGETS_S["checkmate-milp"
     memory; writes ``out/milp_speed.json`` and ``out/milp_speed.md``."""
     import json
     import os
-
-    from remat.graphs.graph import Graph
-    from remat.graphs.plan import GraphPlan
-    from remat.graphs.planners import plan_graph
-    from remat.graphs.simulate import simulate_graph
 
     batch, image = PAPER["resnet50"][:2]
     graph, _, _, _ = capture("resnet50", batch, image, "module")

@@ -74,6 +74,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import zoo
+from remat.api import plan as make_plan
+from remat.capture import capture
+from remat.levers import (
+    Precision,
+    batch_size,
+    magnitude_prune,
+    precision_context,
+    prunable_parameters,
+    sparse_storage_bytes,
+    split_batch,
+)
+from remat.measure import unique_storage_bytes
+from remat.planners import BudgetTooSmallError
+from remat.planners.optimal_time import min_feasible_peak
+from remat.profile import profile
+from remat.runtime import apply
+from remat.simulate import simulate
+from remat.units import format_bytes
+
 __all__ = [
     "DEFAULT_MODELS",
     "NOTES",
@@ -278,7 +298,6 @@ class Workbench:
             self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         else:
             raise ValueError(f"optimizer must be 'sgd-momentum' or 'adam', got {optimizer!r}")
-        from remat.levers import batch_size
 
         self.n = batch_size(batch)
         self._captured: dict[int, Any] = {}
@@ -290,8 +309,6 @@ class Workbench:
     # -------------------------------------------------------------- chains and plans
     def captured(self, k: int) -> Any:
         """The model captured on fake tensors at the microbatch shape of ``k`` microbatches."""
-        from remat.capture import capture
-        from remat.levers import split_batch
 
         if k not in self._captured:
             example = self.batch if k == 1 else split_batch(self.batch, k)[0]
@@ -300,8 +317,6 @@ class Workbench:
 
     def plan(self, kind: str | None, k: int) -> Any:
         """The remat plan of ``kind`` for the microbatch shape (``None``: store everything)."""
-        from remat.api import plan as make_plan
-        from remat.planners.optimal_time import min_feasible_peak
 
         chain = self.captured(k).chain
         if kind is None:
@@ -314,7 +329,6 @@ class Workbench:
 
     def predicted_time_ratio(self, lever: Lever) -> float:
         """Simulated (FLOP) time of the row's plan times k over the unplanned step's."""
-        from remat.simulate import simulate
 
         if self.base_time is None:
             self.base_time = simulate(self.captured(1).chain, self.plan(None, 1)).total_time
@@ -326,7 +340,6 @@ class Workbench:
     def prune(self, density: float) -> Any:
         """Prune the weights of :func:`prunable` to ``density`` in place, each weight to that
         density (once); returns the masks."""
-        from remat.levers import magnitude_prune
 
         if self._masks is None:
             self._masks = magnitude_prune(prunable(self.model), density)
@@ -335,7 +348,6 @@ class Workbench:
     def csr_savings(self, density: float) -> dict[str, int]:
         """Bytes saved by storing the pruned weights in CSR (int32 indices, from real torch
         sparse tensors) and their optimizer state as values sharing those indices."""
-        from remat.levers import sparse_storage_bytes
 
         masks = self.prune(density)
         params = optimizer = 0
@@ -352,8 +364,6 @@ class Workbench:
     # -------------------------------------------------------------- one row
     def measure(self, lever: Lever) -> dict[str, Any]:
         """Exact memory of one training step under ``lever`` (module docstring)."""
-        from remat.profile import profile
-        from remat.runtime import apply
 
         row: dict[str, Any] = {"model": self.name, "method": lever.method, "levers": lever.levers}
         k = lever.microbatches
@@ -425,8 +435,6 @@ class Workbench:
         ``optimizer.step()`` phase (the same under autocast, whose master weights, gradients
         and state are fp32) as a lower bound of the peak; when that phase is the higher, the
         difference is booked as temporaries."""
-        from remat.measure import unique_storage_bytes
-        from remat.profile import profile
 
         if not self._phases:
             raise RuntimeError("measure a real (fp32) row first: fake rows reuse its phases")
@@ -451,7 +459,6 @@ class Workbench:
         """A loss function for :func:`remat.profile` that runs the first k - 1 microbatches'
         forward and backward itself (loss weighted n_i / N) and returns the last one's
         weighted loss, each forward under the row's precision."""
-        from remat.levers import Precision, batch_size, precision_context, split_batch
 
         precision = Precision(compute=lever.compute, saved=lever.saved)
         base = self.model
@@ -486,7 +493,6 @@ def prunable(model: nn.Module) -> dict[str, nn.Parameter]:
     """:func:`remat.levers.prunable_parameters` (Linear, Bilinear, Conv weights) plus the
     weights of Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections, which are
     matmuls but not ``nn.Linear``, so ``prunable_parameters`` misses them)."""
-    from remat.levers import prunable_parameters
 
     found = dict(prunable_parameters(model))
     for module_name, module in model.named_modules():
@@ -524,9 +530,6 @@ def _leaves(obj: Any) -> list[torch.Tensor]:
 def _within_one_forward(chain: Any) -> Any:
     """The least-memory ``optimal-time`` plan whose simulated time is at most the unplanned
     time plus one forward (bisection on the activation budget)."""
-    from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError
-    from remat.planners.optimal_time import min_feasible_peak
 
     store_all = make_plan(chain, "none")
     limit = (store_all.predicted_time or 0.0) + chain.total_fwd_time()
@@ -548,7 +551,6 @@ def _within_one_forward(chain: Any) -> Any:
 
 def workbench(name: str, quick: bool, batch_size: int | None = None) -> Workbench:
     """The :class:`Workbench` of a suite model (or any zoo name, with SGD momentum)."""
-    from remat import zoo
 
     setting = MODEL_SETTINGS.get(name) or ModelSetting(name, 32, 8, "sgd-momentum")
     size = batch_size or (setting.quick_batch_size if quick else setting.batch_size)
@@ -608,7 +610,6 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
 # ---------------------------------------------------------------------- report
 def write_report(out: Path, result: dict[str, Any]) -> None:
     """``out/sohoni.md`` (the table beside the paper's ratios) and ``out/sohoni-MODEL.png``."""
-    from remat.units import format_bytes
 
     rows = result["rows"]
     machine = result["machine"]

@@ -12,6 +12,17 @@ import argparse
 import time
 from typing import Any
 
+from remat import zoo
+from remat.api import compare
+from remat.auto import fixed_bytes, plan_for_total_budget
+from remat.capture import capture
+from remat.commands.plan import format_comparison
+from remat.plans import Plan
+from remat.profile import profile, training_step
+from remat.runtime import apply
+from remat.simulate import simulate
+from remat.units import format_bytes
+
 __all__ = ["add_parser", "run"]
 
 
@@ -30,17 +41,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from remat import zoo
-    from remat.api import compare
-    from remat.auto import fixed_bytes, plan_for_total_budget
-    from remat.capture import capture
-    from remat.commands.plan import format_comparison
-    from remat.plans import Plan
-    from remat.profile import profile, training_step
-    from remat.runtime import apply
-    from remat.simulate import simulate
-    from remat.units import format_bytes
 
     torch.manual_seed(0)
     entry = zoo.get(args.model, batch_size=args.batch)

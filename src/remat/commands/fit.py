@@ -18,6 +18,9 @@ import argparse
 import json
 from typing import Any
 
+from remat import zoo
+from remat.fit import fit
+
 __all__ = ["add_parser", "run", "parse_options"]
 
 _OPTIMIZERS = ("adam", "sgd", "none")
@@ -79,9 +82,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from remat import zoo
-    from remat.fit import fit
 
     options = parse_options(args.option)
     try:

@@ -14,6 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from remat import zoo
+from remat.capture import capture
+from remat.plans import Plan
+from remat.profile import profile
+from remat.report import format_chain, format_memory_report, format_module_peaks, plot_profile
+from remat.simulate import simulate
+from remat.stages import UnsupportedModelError
+from remat.units import format_bytes
+
 __all__ = ["add_parser", "run"]
 
 _OPTIMIZERS = ("adam", "sgd", "none")
@@ -51,15 +60,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
-
-    from remat import zoo
-    from remat.capture import capture
-    from remat.plans import Plan
-    from remat.profile import profile
-    from remat.report import format_chain, format_memory_report, format_module_peaks, plot_profile
-    from remat.simulate import simulate
-    from remat.stages import UnsupportedModelError
-    from remat.units import format_bytes
 
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {args.plot}")

@@ -50,6 +50,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from remat.schema import read_schema
+
 if TYPE_CHECKING:
     from remat.costs import Chain
 
@@ -311,7 +313,6 @@ class Graph:
     @classmethod
     def from_json(cls, text: str) -> Graph:
         """Read a graph written by :meth:`to_json` (checks the schema and its version)."""
-        from remat.schema import read_schema
 
         data = read_schema(text, "remat.graph", GRAPH_SCHEMA_VERSION, "remat graph", ValueError)
         known = {f.name for f in fields(Node)}

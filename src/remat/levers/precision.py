@@ -78,6 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.levers.microbatch import compute_loss
+
 __all__ = [
     "Precision",
     "SavedTensorStats",
@@ -359,7 +361,6 @@ def gradient_error(
         loss_fn: ``loss_fn(model, batch) -> scalar``; ``None``: see
             :func:`remat.levers.microbatch.compute_loss`.
     """
-    from remat.levers.microbatch import compute_loss
 
     device_type = device_type or _device_type_of(model)
     devices = [torch.cuda.current_device()] if device_type == "cuda" else []
