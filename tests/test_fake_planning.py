@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import remat.calibration as calibration
-from remat import zoo
+from remat import Chain, zoo
 from remat.auto import auto, fixed_bytes
 from remat.calibration import TimeModel, WorkCounter, time_model_for
 from remat.capture import capture
@@ -296,3 +296,55 @@ def test_time_model_refuses_negative_or_missing_numbers() -> None:
         TimeModel("cpu", "torch.float32", 1e-11, -1.0, 1e-6)
     with pytest.raises(ValueError, match="seconds_per_op"):
         TimeModel("cpu", "torch.float32", 1e-11, 1e-10, float("nan"))
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_plan_fake_captures_a_model_under_fake_tensors(capsys, monkeypatch) -> None:
+    from remat.cli import main
+
+    seen = []
+    real = calibration.time_model_for
+    monkeypatch.setattr(calibration, "time_model_for", lambda *a: seen.append(a) or real(*a))
+    args = ["plan", "mlp-chain", "--batch", "8", "--method", "optimal-time", "--json"]
+    assert main([*args, "--fake"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["plan"] is not None and not rows[0]["error"]
+    assert len(seen) == 1  # the fake capture's times come from the calibrated model
+    assert main(["plan", "homogeneous:4", "--fake"]) == 2
+    assert "already a chain" in capsys.readouterr().err
+
+
+# ------------------------------------------- an eager step that does not fit: fake instead
+class Widen(nn.Module):
+    """An intermediate of 32 TiB (no machine holds it), reduced back to the input's shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x.unsqueeze(-1).expand(*x.shape, 2**36).contiguous()).mean(-1)
+
+
+class Enormous(nn.Module):
+    """Not a chain (the widening is in the root's own forward): the graph path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(Widen()(self.a(x)))
+
+
+@pytest.mark.parametrize("path", ["chain", "graph"])
+def test_auto_captures_under_fake_tensors_when_the_eager_step_does_not_fit(path) -> None:
+    torch.manual_seed(0)
+    if path == "chain":
+        model = nn.Sequential(nn.Linear(8, 8), Widen(), nn.Linear(8, 8))
+    else:
+        model = Enormous()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, summary = auto(model, torch.randn(16, 8))  # fake=False: the eager capture fails
+    messages = [str(w.message) for w in record]
+    assert any("ran out of memory" in m and "fake tensors" in m for m in messages), messages
+    assert summary.fake and summary.unplanned_peak_bytes > 2**40
+    assert isinstance(summary.chain, Chain) == (path == "chain")

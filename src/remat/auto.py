@@ -658,7 +658,6 @@ def _auto_graph(
     )
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
-    options = _capture_options(model, fake)
 
     def costs_of(trace: Any) -> StepCosts:
         grads = list(trace.param_grad_bytes)
@@ -707,7 +706,9 @@ def _auto_graph(
             method, chosen = _fastest_fitting_graph_plan(graph, costs, total, step_peak)
         return method, chosen, total, step_peak(chosen), unplanned
 
-    trace = trace_graph(model, batch, loss_fn=loss_fn, level="module", **options)
+    trace, options = _first_capture(
+        model, fake, lambda o: trace_graph(model, batch, loss_fn=loss_fn, level="module", **o)
+    )
     graph = trace.graph
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
@@ -744,7 +745,7 @@ def _auto_graph(
         unplanned,
         loop=loop,
         output_held_bytes=costs_of(trace).output_held_bytes,
-        fake=fake,
+        fake=bool(options),
     )
     return planned, summary
 
@@ -866,9 +867,10 @@ def auto(
     check_loop(loop)
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
-    options = _capture_options(model, fake)
     try:
-        captured = capture(model, batch, loss_fn=loss_fn, stages=stages, **options)
+        captured, options = _first_capture(
+            model, fake, lambda o: capture(model, batch, loss_fn=loss_fn, stages=stages, **o)
+        )
     except UnsupportedModelError as err:
         if stages is not None:
             raise
@@ -944,9 +946,45 @@ def auto(
         unplanned_peak(captured),
         loop=loop,
         output_held_bytes=costs_of(captured).output_held_bytes,
-        fake=fake,
+        fake=bool(options),
     )
     return planned, summary
+
+
+def _first_capture(
+    model: nn.Module, fake: bool, run: Callable[[dict[str, Any]], Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``run(options)`` (a chain or graph capture) with :func:`_capture_options`, and those
+    options, which the re-plans use too. An eager capture that runs out of memory (the step
+    does not fit the device) is done again under fake tensors, with a warning: planning never
+    needs more memory than the machine has."""
+    import gc
+    import warnings
+
+    options = _capture_options(model, fake)
+    try:
+        return run(options), options
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if fake or not _out_of_memory(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    gc.collect()  # the failed step's tensors (a traceback cycle may hold them)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    warnings.warn(
+        f"remat.auto: the eager step ran out of memory while capturing ({message}); capturing "
+        "under fake tensors instead, with times from the calibrated cost model (pass "
+        "fake=True to skip the eager attempt)",
+        stacklevel=3,
+    )
+    options = _capture_options(model, True)
+    return run(options), options
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A device out of memory (CUDA's ``torch.OutOfMemoryError``; the CPU allocator raises a
+    ``RuntimeError`` saying it can't allocate memory)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
 def _capture_options(model: nn.Module, fake: bool) -> dict[str, Any]:
