@@ -123,7 +123,7 @@ def test_fake_auto_captures_the_real_graph_bytes_without_a_real_step() -> None:
 
 def test_time_model_turns_the_counted_work_into_seconds() -> None:
     # the same capture with and without a time model: FLOPs, then a*FLOPs + b*bytes + c*ops
-    entry = _mlp()
+    entry = zoo.get("mlp-chain", batch_size=16, layers=4, width=32)
     flops = capture(entry.model, entry.batch, entry.loss_fn, fake=True).chain
     per_op = TimeModel("test", "torch.float32", 0.0, 0.0, 1.0)  # seconds = number of ops
     ops = capture(entry.model, entry.batch, entry.loss_fn, fake=True, time_model=per_op).chain
