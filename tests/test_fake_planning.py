@@ -227,13 +227,17 @@ def test_a_model_built_on_meta_is_planned_then_materialised_and_trained() -> Non
     torch.manual_seed(0)
     with torch.device("meta"):
         model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.GELU())])
-    planned, summary = auto(model, torch.empty(1024, 128, device="meta"), budget="60%", fake=True)
+    x = torch.randn(1024, 128)  # a real batch is read on "meta" (shapes and dtypes only)
+    with pytest.raises(ValueError, match="fake=True"):
+        auto(model, x, budget="60%")
+    planned, summary = auto(model, x, budget="60%", fake=True)
     assert summary.fake and summary.predicted_peak_bytes < summary.unplanned_peak_bytes
+    meta_batch = auto(model, x.to("meta"), budget="60%", fake=True)[1]
+    assert meta_batch.plan == summary.plan
     planned.to_empty(device="cpu")
     for module in planned.modules():
         if isinstance(module, nn.Linear):
             module.reset_parameters()
-    x = torch.randn(1024, 128)
     planned(x).square().mean().backward()
     assert all(p.grad is not None for p in planned.parameters())
 

@@ -854,8 +854,8 @@ def auto(
     shapes too), and times come from a cost model of FLOPs, bytes moved and ops calibrated once
     for the parameters' device and dtype (:mod:`remat.calibration`, cached under
     ``$REMAT_CACHE_DIR`` or ``~/.cache/remat``). The parameters may be real or on
-    ``torch.device("meta")`` (give the batch on ``"meta"`` too; the time model is then the
-    CUDA device's, else the CPU's): materialise the planned model afterwards
+    ``torch.device("meta")`` (the batch is then read on ``"meta"`` too, and the time model is
+    the CUDA device's, else the CPU's): materialise the planned model afterwards
     (``planned.to_empty(device=...)`` and initialise it) before training. Fake tensors
     allocate nothing, so kernel scratch memory (oneDNN convolution workspaces on the CPU) is
     not counted; a model whose forward reads tensor values in Python raises ``ValueError``.
@@ -867,6 +867,7 @@ def auto(
     check_loop(loop)
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
+    batch = _batch_for_meta_parameters(model, batch, fake)
     try:
         captured, options = _first_capture(
             model, fake, lambda o: capture(model, batch, loss_fn=loss_fn, stages=stages, **o)
@@ -979,6 +980,23 @@ def _first_capture(
     )
     options = _capture_options(model, True)
     return run(options), options
+
+
+def _batch_for_meta_parameters(model: nn.Module, batch: Any, fake: bool) -> Any:
+    """``batch`` on ``"meta"`` for a model whose parameters are there (built without memory
+    under ``torch.device("meta")``): only its shapes and dtypes matter to a fake capture. Such
+    a model cannot run an eager step: without ``fake=True`` it is refused, saying so."""
+    from torch.utils._pytree import tree_map_only
+
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return batch
+    if not fake:
+        raise ValueError(
+            "remat.auto: the model's parameters are on torch.device('meta') (no memory), so "
+            "its step cannot run: plan it with fake=True, then materialise the planned model "
+            "(planned.to_empty(device=...) and initialise it)"
+        )
+    return tree_map_only(torch.Tensor, lambda t: t.to("meta"), batch)
 
 
 def _out_of_memory(err: BaseException) -> bool:
