@@ -97,6 +97,9 @@ class AutoSummary:
     or ``"loss-only"``; None where the model output is not modelled."""
     output_held_bytes: int = 0
     """Bytes of the model output the assumed loop keeps through the step (in the peaks)."""
+    fake: bool = False
+    """True when the costs were captured under fake tensors (``auto(..., fake=True)``: no
+    eager step run, times from the calibrated cost model of :mod:`remat.calibration`)."""
 
     @classmethod
     def of(
@@ -112,6 +115,7 @@ class AutoSummary:
         unplanned_peak_bytes: int = 0,
         loop: str | None = None,
         output_held_bytes: int = 0,
+        fake: bool = False,
     ) -> AutoSummary:
         """The summary of ``plan`` from its simulation ``sim`` and the unplanned one ``none``
         (chain or graph simulations: both have ``peak_bytes`` and ``total_time``)."""
@@ -129,6 +133,7 @@ class AutoSummary:
             unplanned_peak_bytes=unplanned_peak_bytes,
             loop=loop,
             output_held_bytes=output_held_bytes,
+            fake=fake,
         )
 
     @property
@@ -161,6 +166,12 @@ class AutoSummary:
                 f"  predicted time overhead: {100 * self.predicted_overhead:+.1f}%",
                 f"  plan: {plan_text}",
                 f"  loop: {self._loop_text()}",
+                "  costs: "
+                + (
+                    "fake tensors (no eager step run), times from the calibrated cost model"
+                    if self.fake
+                    else "measured on an eager step"
+                ),
             ]
         )
 
@@ -618,6 +629,7 @@ def _auto_graph(
     optimizer: torch.optim.Optimizer | None,
     why: str,
     loop: str = "output-held",
+    fake: bool = False,
 ) -> tuple[nn.Module, AutoSummary]:
     """:func:`auto` for a model that is not a chain: capture its module graph, plan it with
     ``checkmate-milp`` under the activation budget, or, without a budget, take Re-forwarding's
@@ -629,7 +641,7 @@ def _auto_graph(
     whole step's peak of its plan is then checked exactly
     (:func:`remat.graphs.graph_step_peak`, gradients as the backward makes them) and, if it
     does not fit, the MILP plans again with every gradient counted as live all step (the safe
-    reading)."""
+    reading). ``fake``: captured under fake tensors (:func:`_capture_options`)."""
     import warnings
 
     from remat.capture import _model_arguments
@@ -694,20 +706,23 @@ def _auto_graph(
             method, chosen = _fastest_fitting_graph_plan(graph, costs, total, step_peak)
         return method, chosen, total, step_peak(chosen), unplanned
 
-    trace = trace_graph(model, batch, loss_fn=loss_fn, level="module")
+    trace, options = _first_capture(
+        model, fake, lambda o: trace_graph(model, batch, loss_fn=loss_fn, level="module", **o)
+    )
     graph = trace.graph
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
 
     def measure_loss() -> tuple[int, int]:
-        proxy = trace_graph(model, _model_arguments(model, loss_fn, batch), call_loss, "module")
+        arguments = _model_arguments(model, loss_fn, batch)
+        proxy = trace_graph(model, arguments, call_loss, "module", **options)
         proxy_unplanned = graph_step_peak(proxy.graph, GraphPlan.none(), costs_of(proxy))
         return unplanned - proxy_unplanned, proxy.graph.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> tuple[GraphPlan, Any]:
-        new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module")
+        new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module", **options)
         held = margin(new.graph.input_bytes)
         if held:
             more = dataclasses.replace(new.graph, input_bytes=new.graph.input_bytes + held)
@@ -730,6 +745,7 @@ def _auto_graph(
         unplanned,
         loop=loop,
         output_held_bytes=costs_of(trace).output_held_bytes,
+        fake=bool(options),
     )
     return planned, summary
 
@@ -802,6 +818,7 @@ def auto(
     optimizer: torch.optim.Optimizer | None = None,
     stages: list[str] | None = None,
     loop: str = "output-held",
+    fake: bool = False,
 ) -> tuple[nn.Module, AutoSummary]:
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
@@ -830,6 +847,18 @@ def auto(
       output.
 
     The summary says which loop was assumed.
+
+    ``fake=True`` plans without running the eager step, so a step that does not fit the
+    machine can still be planned: the model is captured under ``FakeTensorMode`` (shapes and
+    bytes exact, nothing allocated; chain and module-graph paths alike, re-plans for new input
+    shapes too), and times come from a cost model of FLOPs, bytes moved and ops calibrated once
+    for the parameters' device and dtype (:mod:`remat.calibration`, cached under
+    ``$REMAT_CACHE_DIR`` or ``~/.cache/remat``). The parameters may be real or on
+    ``torch.device("meta")`` (the batch is then read on ``"meta"`` too, and the time model is
+    the CUDA device's, else the CPU's): materialise the planned model afterwards
+    (``planned.to_empty(device=...)`` and initialise it) before training. Fake tensors
+    allocate nothing, so kernel scratch memory (oneDNN convolution workspaces on the CPU) is
+    not counted; a model whose forward reads tensor values in Python raises ``ValueError``.
     """
     from remat.capture import _model_arguments, capture
     from remat.profile import default_loss_fn, optimizer_costs
@@ -838,12 +867,15 @@ def auto(
     check_loop(loop)
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
+    batch = _batch_for_meta_parameters(model, batch, fake)
     try:
-        captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
+        captured, options = _first_capture(
+            model, fake, lambda o: capture(model, batch, loss_fn=loss_fn, stages=stages, **o)
+        )
     except UnsupportedModelError as err:
         if stages is not None:
             raise
-        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop)
+        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop, fake)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
@@ -886,13 +918,13 @@ def auto(
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 
     def measure_loss() -> tuple[int, int]:
-        proxy = capture(model, example, loss_fn=call_loss, stages=stages)
+        proxy = capture(model, example, loss_fn=call_loss, stages=stages, **options)
         return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
-        new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages)
+        new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages, **options)
         held = margin(new.chain.input_bytes)
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
@@ -915,5 +947,71 @@ def auto(
         unplanned_peak(captured),
         loop=loop,
         output_held_bytes=costs_of(captured).output_held_bytes,
+        fake=bool(options),
     )
     return planned, summary
+
+
+def _first_capture(
+    model: nn.Module, fake: bool, run: Callable[[dict[str, Any]], Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``run(options)`` (a chain or graph capture) with :func:`_capture_options`, and those
+    options, which the re-plans use too. An eager capture that runs out of memory (the step
+    does not fit the device) is done again under fake tensors, with a warning: planning never
+    needs more memory than the machine has."""
+    import gc
+    import warnings
+
+    options = _capture_options(model, fake)
+    try:
+        return run(options), options
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if fake or not _out_of_memory(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    gc.collect()  # the failed step's tensors (a traceback cycle may hold them)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    warnings.warn(
+        f"remat.auto: the eager step ran out of memory while capturing ({message}); capturing "
+        "under fake tensors instead, with times from the calibrated cost model (pass "
+        "fake=True to skip the eager attempt)",
+        stacklevel=3,
+    )
+    options = _capture_options(model, True)
+    return run(options), options
+
+
+def _batch_for_meta_parameters(model: nn.Module, batch: Any, fake: bool) -> Any:
+    """``batch`` on ``"meta"`` for a model whose parameters are there (built without memory
+    under ``torch.device("meta")``): only its shapes and dtypes matter to a fake capture. Such
+    a model cannot run an eager step: without ``fake=True`` it is refused, saying so."""
+    from torch.utils._pytree import tree_map_only
+
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return batch
+    if not fake:
+        raise ValueError(
+            "remat.auto: the model's parameters are on torch.device('meta') (no memory), so "
+            "its step cannot run: plan it with fake=True, then materialise the planned model "
+            "(planned.to_empty(device=...) and initialise it)"
+        )
+    return tree_map_only(torch.Tensor, lambda t: t.to("meta"), batch)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A device out of memory (CUDA's ``torch.OutOfMemoryError``; the CPU allocator raises a
+    ``RuntimeError`` saying it can't allocate memory)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def _capture_options(model: nn.Module, fake: bool) -> dict[str, Any]:
+    """Keyword arguments of the chain and graph captures (and their re-plans): none (real
+    tensors, measured times), or fake tensors with the time model calibrated for the model's
+    device and dtype (:func:`remat.calibration.time_model_for`)."""
+    if not fake:
+        return {}
+    from remat.calibration import planning_device, time_model_for
+
+    device, dtype = planning_device(model)
+    return {"fake": True, "time_model": time_model_for(device, dtype)}

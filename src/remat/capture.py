@@ -28,7 +28,9 @@ one on the real activations (each stage's input is the previous stage's output, 
   that a saved output is freed partway through the stage's backward, as in a whole step;
 * ``fwd_time``, ``bwd_time``: median of ``repeats`` runs (``time.perf_counter``, CUDA
   synchronised); with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``
-  instead (``time_unit="flop"``);
+  instead (``time_unit="flop"``), or, given a ``time_model``
+  (:class:`remat.calibration.TimeModel`), the seconds it predicts from each op's FLOPs, bytes
+  moved and count (``time_unit="s"``, nothing run for real);
 * ``input_bytes``: the batch and ``a[0]`` (unique storages).
 
 **The loss is folded into the last stage.** Stage ``n`` is measured as "last stage module, the
@@ -79,6 +81,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from remat.calibration import TimeModel, WorkCounter
 from remat.costs import Chain
 from remat.guards import BatchCopy, _versions, in_place_input_error
 from remat.measure import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
@@ -142,9 +145,10 @@ def capture_chain(
     fake: bool = False,
     repeats: int = 3,
     progress: bool = False,
+    time_model: TimeModel | None = None,
 ) -> Chain:
     """Measure ``model`` on ``batch`` as a :class:`~remat.costs.Chain` (module docstring)."""
-    return capture(model, batch, loss_fn, stages, fake, repeats, progress).chain
+    return capture(model, batch, loss_fn, stages, fake, repeats, progress, time_model).chain
 
 
 def capture(
@@ -155,16 +159,20 @@ def capture(
     fake: bool = False,
     repeats: int = 3,
     progress: bool = False,
+    time_model: TimeModel | None = None,
 ) -> Captured:
     """Like :func:`capture_chain`, also returning the :class:`~remat.stages.Stages` (for the
     executor). ``stages`` names the boundaries for models that are not cut automatically.
-    ``progress`` shows a tqdm bar over the stages."""
+    ``progress`` shows a tqdm bar over the stages. ``time_model`` (with ``fake=True`` only)
+    gives the stages' times in seconds from the work counted under fake tensors."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if time_model is not None and not fake:
+        raise ValueError("time_model is for fake=True captures: a real capture times the stages")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
     with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure
-        return _capture(model, batch, loss_fn, split, fake, repeats, progress)
+        return _capture(model, batch, loss_fn, split, fake, repeats, progress, time_model)
 
 
 def _capture(
@@ -175,11 +183,12 @@ def _capture(
     fake: bool,
     repeats: int,
     progress: bool,
+    time_model: TimeModel | None = None,
 ) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
             chain, rises, output = _measure_chain(
-                model, split, fake_batch, loss_fn, True, repeats, progress
+                model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -276,6 +285,7 @@ def _measure_chain(
     fake: bool,
     repeats: int,
     progress: bool,
+    time_model: TimeModel | None = None,
 ) -> tuple[Chain, tuple[int, ...], int]:
     from tqdm.auto import tqdm
 
@@ -328,6 +338,7 @@ def _measure_chain(
                     repeats=repeats,
                     params=params,
                     track=module,
+                    time_model=time_model,
                 )
             except RuntimeError as err:  # a leaf that requires grad written in place: whose?
                 if "in-place" in str(err) and _writes_input(run, x):
@@ -363,7 +374,7 @@ def _measure_chain(
         fwd_overhead_bytes=[c.fwd_overhead_bytes for c in costs],
         bwd_overhead_bytes=bwd_overhead,
         names=split.names,
-        time_unit="flop" if fake else "s",
+        time_unit="flop" if fake and time_model is None else "s",
         stages_fingerprint=split.fingerprint,
     )
     return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0)
@@ -377,12 +388,14 @@ def measure_stage(
     repeats: int = 3,
     params: Sequence[torch.Tensor] = (),
     track: nn.Module | None = None,
+    time_model: TimeModel | None = None,
 ) -> tuple[StageCost, Any]:
     """Measure ``run(x)`` on a detached copy ``x`` of ``inp``; return its cost and its output
     (detached, ``requires_grad`` kept) for the next stage.
 
     ``exclude`` maps storages not to count as saved (parameters, buffers, the batch);
-    ``params`` get their gradients reset to ``None`` after each backward.
+    ``params`` get their gradients reset to ``None`` after each backward. Under fake tensors
+    the times are FLOPs, or the seconds ``time_model`` predicts.
 
     A stage may write into its input in place (``x.add_(1)``, as a block may in a model): it
     gets ``x`` through an identity autograd function, not the leaf itself, and the inputs that
@@ -416,7 +429,7 @@ def measure_stage(
     # memory (and, under fake tensors, FLOPs): one run under the tracker, and on real tensors
     # under the allocator's own count too (it also sees kernels' internal scratch memory)
     device = next((t.device for t in x_tensors), None)
-    fwd_counter, bwd_counter = _flop_counters(fake)
+    fwd_counter, bwd_counter = _work_counters(fake, time_model)
     fwd_alloc, bwd_alloc = _allocator_windows(fake, device)
     tracker = StepTracker(timeline=False)
     tracker.track_external(*([track] if track is not None else []), *x_tensors)
@@ -451,10 +464,10 @@ def measure_stage(
         del seed
     reset()
 
-    # time: FLOPs under fake tensors, else the median of `repeats` runs
+    # time: FLOPs or modelled seconds under fake tensors, else the median of `repeats` runs
     if fake:
-        fwd_time = float(fwd_counter.get_total_flops())
-        bwd_time = float(bwd_counter.get_total_flops())
+        fwd_time = fwd_counter.cost()
+        bwd_time = bwd_counter.cost()
     else:
         fwd_times, bwd_times = [], []
         for _ in range(repeats):
@@ -526,13 +539,12 @@ def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _flop_counters(fake: bool) -> tuple[Any, Any]:
-    """Two FlopCounterModes (forward, backward) under fake tensors, else two no-op contexts."""
+def _work_counters(fake: bool, time_model: TimeModel | None) -> tuple[Any, Any]:
+    """Two :class:`remat.calibration.WorkCounter` (forward, backward) under fake tensors,
+    else two no-op contexts."""
     if not fake:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    from torch.utils.flop_counter import FlopCounterMode
-
-    return FlopCounterMode(display=False), FlopCounterMode(display=False)
+    return WorkCounter(time_model), WorkCounter(time_model)
 
 
 def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, Any]:

@@ -38,14 +38,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "peak; --budget is an older alias",
     )
     p.add_argument("--batch", type=int, help="batch size when SOURCE is a model")
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="capture the model under fake tensors, without running its training step (plans "
+        "a model whose step does not fit this machine); times from the cost model calibrated "
+        "once for the device (cached under $REMAT_CACHE_DIR or ~/.cache/remat)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", type=Path, help="write the plan (with --method) as JSON here")
     return p
 
 
-def load_chain(source: str, batch: int | None = None) -> Chain:
-    """A chain from a JSON file, a synthetic spec, or a model captured on its example batch."""
+def load_chain(source: str, batch: int | None = None, fake: bool = False) -> Chain:
+    """A chain from a JSON file, a synthetic spec, or a model captured on its example batch
+    (``fake``: under fake tensors, times from :func:`remat.calibration.time_model_for`)."""
     path = Path(source)
+    if fake and (path.suffix == ".json" or path.is_file() or source.startswith(_SYNTHETIC)):
+        raise ValueError(f"--fake captures a model; {source!r} is already a chain (drop --fake)")
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise FileNotFoundError(f"no chain file {source!r}")
@@ -60,7 +70,15 @@ def load_chain(source: str, batch: int | None = None) -> Chain:
     from remat.capture import capture_chain
 
     entry = zoo.get(source, batch_size=batch)
-    return capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
+    if not fake:
+        return capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
+    from remat.calibration import planning_device, time_model_for
+
+    model = time_model_for(*planning_device(entry.model))
+    return capture_chain(entry.model, entry.batch, entry.loss_fn, fake=True, time_model=model)
+
+
+_SYNTHETIC = ("homogeneous:", "random:")
 
 
 def format_comparison(
@@ -104,7 +122,7 @@ def format_comparison(
 
 
 def run(args: argparse.Namespace) -> int:
-    chain = load_chain(args.source, args.batch)
+    chain = load_chain(args.source, args.batch, args.fake)
     methods = [args.method] if args.method else None
     budget_bytes = None
     if args.activation_budget is not None:

@@ -35,7 +35,9 @@ Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
 * ``saved_inputs``: the inputs whose storages the node's backward saves;
 * ``fwd_time`` / ``bwd_time``: seconds (median of ``repeats`` timed steps; the backward of a
   node is the time of the autograd functions its calls created, seen through ``grad_fn`` hooks),
-  or with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``;
+  or with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``, or, given a
+  ``time_model`` (:class:`remat.calibration.TimeModel`), the seconds it predicts from each
+  ATen op's FLOPs, bytes moved and count;
 * ``fwd_overhead_bytes`` / ``bwd_overhead_bytes``: the highest transient bytes inside one of the
   node's calls / autograd functions beyond what is live when it returns (MemTracker).
 
@@ -92,6 +94,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.calibration import TimeModel, WorkCounter
 from remat.graphs.graph import Graph, Node
 from remat.guards import BatchCopy, check_no_own_checkpointing
 from remat.measure import garbage_collected, output_tensors, scratch_bytes
@@ -193,14 +196,17 @@ def capture_graph(
     level: str = "module",
     fake: bool = False,
     repeats: int = 1,
+    *,
+    time_model: TimeModel | None = None,
 ) -> Graph:
     """Capture ``model`` on ``batch`` as a costed :class:`Graph` (see the module docstring).
 
     ``level`` is ``"module"`` (leaf modules and the functional calls between them) or ``"op"``
-    (every torch call); ``fake=True`` measures under fake tensors with FLOPs as times;
-    ``repeats`` timed steps give the median times (real tensors only).
+    (every torch call); ``fake=True`` measures under fake tensors with FLOPs as times, or the
+    seconds ``time_model`` predicts; ``repeats`` timed steps give the median times (real
+    tensors only).
     """
-    return trace_graph(model, batch, loss_fn, level, fake, repeats).graph
+    return trace_graph(model, batch, loss_fn, level, fake, repeats, time_model=time_model).graph
 
 
 def trace_graph(
@@ -211,6 +217,8 @@ def trace_graph(
     fake: bool = False,
     repeats: int = 1,
     costs: bool = True,
+    *,
+    time_model: TimeModel | None = None,
 ) -> GraphTrace:
     """Like :func:`capture_graph`, also returning how the traced calls map onto the nodes.
 
@@ -219,7 +227,10 @@ def trace_graph(
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    return trace_levels(model, batch, loss_fn, (level,), fake, repeats, costs)[level]
+    traces = trace_levels(
+        model, batch, loss_fn, (level,), fake, repeats, costs, time_model=time_model
+    )
+    return traces[level]
 
 
 def trace_levels(
@@ -230,9 +241,14 @@ def trace_levels(
     fake: bool = False,
     repeats: int = 1,
     costs: bool = True,
+    *,
+    time_model: TimeModel | None = None,
 ) -> dict[str, GraphTrace]:
     """One recorded step grouped at several ``levels`` (the recording does not depend on the
-    level; grouping is cheap)."""
+    level; grouping is cheap). ``time_model`` (``fake=True`` only): node times in seconds
+    from the work counted under fake tensors."""
+    if time_model is not None and not fake:
+        raise ValueError("time_model is for fake=True captures: a real capture times the nodes")
     for level in levels:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
@@ -248,8 +264,9 @@ def trace_levels(
 
         try:
             with fake_step(model, batch) as (mode, fake_batch, _), mode:
-                state = _record(model, fake_batch, loss_fn, costs, flops=True)
-                return {level: _build(state, level, "flop") for level in levels}
+                state = _record(model, fake_batch, loss_fn, costs, True, time_model)
+                unit = "flop" if time_model is None else "s"
+                return {level: _build(state, level, unit) for level in levels}
         except (DataDependentOutputException, DynamicOutputShapeException) as err:
             raise ValueError(
                 "the model reads tensor values in Python (e.g. a Hugging Face BERT checks the "
@@ -525,10 +542,9 @@ def _op_name(func: Callable[..., Any]) -> str:
     return str(name).strip("_") or str(name)
 
 
-def _total_flops(counter: Any) -> float:
-    if counter is None:
-        return 0.0
-    return float(sum(counter.flop_counts["Global"].values()))
+def _total_flops(counter: WorkCounter | None) -> float:
+    """FLOPs, or modelled seconds, counted so far (0 without a counter)."""
+    return 0.0 if counter is None else counter.cost()
 
 
 def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
@@ -543,7 +559,14 @@ def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None
         stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
 
 
-def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: bool) -> _State:
+def _record(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    costs: bool,
+    flops: bool,
+    time_model: TimeModel | None = None,
+) -> _State:
     """Run ``loss_fn(model, batch)`` (and the backward when ``costs``) under the recorder."""
     names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     st = _State(root=model, names=names)
@@ -588,9 +611,7 @@ def _record(model: nn.Module, batch: Any, loss_fn: LossFn, costs: bool, flops: b
             with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
                 st.output_bytes, st.largest_output_bytes = _output_bytes(st, out)
 
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False) if (costs and flops) else None
+    counter = WorkCounter(time_model) if (costs and flops) else None
     tracker = StepTracker(timeline=False) if costs else None
     st.memory = _Memory(tracker) if tracker is not None else None
     if costs and not flops:  # fake tensors allocate nothing: no kernel scratch to see
