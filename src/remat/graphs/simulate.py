@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from remat.errors import InfeasibleScheduleError
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
 from remat.simulate import register_simulator
@@ -68,10 +69,6 @@ Tensor = tuple[str, int, int]
 version 0 is the first forward, each recomputation pass has its own number."""
 
 GRAPH_INPUT: Tensor = ("input", -1, 0)
-
-
-class InfeasibleScheduleError(ValueError):
-    """A schedule that cannot run: a read before compute, a use after free, a missing gradient."""
 
 
 @dataclass(frozen=True)
