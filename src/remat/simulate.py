@@ -5,6 +5,13 @@ executor (nested non-reentrant ``torch.utils.checkpoint``) runs it, with referen
 every activation, and returns the peak activation memory, the time, and a per-operation
 timeline. Every planner is tested against it; the executor is tested against it.
 
+It is the chain fast path of the one simulator, :func:`remat.graphs.lower_plan` +
+:func:`remat.graphs.run_schedule` on the chain's path graph
+(:meth:`remat.graphs.Graph.from_chain`, :meth:`remat.graphs.GraphPlan.from_chain_plan`):
+several times faster, for the planners' sweeps, and equal to it, event by event
+(``tests/test_one_simulator.py``, over every registered planner). Both return the same
+:class:`Simulation` and :class:`Event` types.
+
 The rules (docs/cost-model.md has them with pictures):
 
 * ``a[0]`` (the input, ``input_bytes``) is live for the whole step.

@@ -1,4 +1,5 @@
-"""The single source of truth for what a graph plan costs: :func:`simulate_graph`.
+"""The simulator: what a plan costs, :func:`simulate_graph` (:func:`remat.simulate` is its
+chain fast path, equal to it on the path graph event by event: ``tests/test_one_simulator.py``).
 
 Two steps, both public so that an executor can be checked against them:
 
