@@ -5,6 +5,13 @@ executor (nested non-reentrant ``torch.utils.checkpoint``) runs it, with referen
 every activation, and returns the peak activation memory, the time, and a per-operation
 timeline. Every planner is tested against it; the executor is tested against it.
 
+It is the chain fast path of the one simulator, :func:`remat.graphs.lower_plan` +
+:func:`remat.graphs.run_schedule` on the chain's path graph
+(:meth:`remat.graphs.Graph.from_chain`, :meth:`remat.graphs.GraphPlan.from_chain_plan`):
+several times faster, for the planners' sweeps, and equal to it, event by event
+(``tests/test_one_simulator.py``, over every registered planner). Both return the same
+:class:`Simulation` and :class:`Event` types.
+
 The rules (docs/cost-model.md has them with pictures):
 
 * ``a[0]`` (the input, ``input_bytes``) is live for the whole step.
@@ -13,8 +20,9 @@ The rules (docs/cost-model.md has them with pictures):
   tensors until its backward. Peak during it: live + ``fwd_overhead_bytes[i]``.
 * **Stage run without grad** (inside a checkpointed segment, ``F_none``): allocates ``a[i]``;
   ``a[i-1]`` is freed unless something holds it. Peak: live + ``fwd_overhead_bytes[i]``.
-* **Checkpointed segment**: holds its input ``a[start-1]`` from its forward to the end of its
-  backward. Backward: recompute the segment under its sub-plan (the recomputed output is
+* **Checkpointed segment**: holds its input ``a[start-1]`` from its forward to the backward of
+  its first stage (the checkpoint frame dies with it; freed there unless something else holds
+  it). Backward: recompute the segment under its sub-plan (the recomputed output is
   dropped unless a stored stage keeps it), then back-propagate the sub-plan.
 * **Loss**: after the forward, the gradient ``δ[n]`` (``out_bytes[n]``) is allocated and the
   running output is released.
@@ -50,25 +58,34 @@ _SIMULATORS: list[tuple[type, Callable[[Any, Any], Any]]] = []
 
 @dataclass(frozen=True)
 class Event:
-    """One operation of the simulated step."""
+    """One operation of the simulated step: the one event type of the chain simulator and of
+    the graph interpreter (:class:`remat.graphs.GraphEvent` is this class)."""
 
     op: str
     """``"F_all"`` (stored forward), ``"F_none"`` (forward without grad), ``"loss"``, ``"B"``."""
-    stage: int
-    """Stage index (1-based); 0 for the loss."""
+    node: int
+    """Graph node, or chain stage - 1 (0-based: stage ``i`` is node ``i - 1``); -1 for the
+    loss."""
     recompute: bool
     """True for a forward that repeats work already done (recomputation)."""
     peak_bytes: int
     """Highest live bytes during the operation (transients included)."""
     live_bytes: int
-    """Live bytes right after the operation."""
+    """Live bytes right after the operation (after its frees)."""
     time: float
     """Time of the operation."""
+
+    @property
+    def stage(self) -> int:
+        """Chain stage index (1-based, ``node + 1``); 0 for the loss."""
+        return self.node + 1
 
 
 @dataclass(frozen=True)
 class Simulation:
-    """What a plan costs on a chain, as predicted by :func:`simulate`."""
+    """What a plan costs on a chain (:func:`simulate`) or a graph (:func:`remat.graphs.
+    simulate_graph`; :class:`remat.graphs.GraphSimulation` is this class). Stages are the
+    nodes of a chain's path graph: ``forward_counts[i]`` is stage ``i + 1``'s."""
 
     peak_bytes: int
     """Peak activation memory over the whole step: input, activations, saved tensors,
@@ -76,15 +93,15 @@ class Simulation:
     total_time: float
     """Forward + recomputation + backward time."""
     forward_time: float
-    """Time of the first forward of every stage (no recomputation)."""
+    """Time of the first forward of every stage or node (no recomputation)."""
     backward_time: float
-    """Time of every stage's backward."""
+    """Time of every stage's or node's backward."""
     recompute_time: float
-    """Time spent in recomputation (forwards beyond the first of each stage)."""
+    """Time spent in recomputation (forwards beyond the first of each stage or node)."""
     forward_peak_bytes: int
     """Peak memory during the first forward pass alone."""
     forward_counts: tuple[int, ...]
-    """How many times each stage's forward runs (1 = never recomputed)."""
+    """How many times each stage's or node's forward runs (1 = never recomputed)."""
     timeline: tuple[Event, ...]
     """Every operation in execution order."""
 
@@ -133,10 +150,15 @@ class _Simulator:
         self.events: list[Event] = []
         self.counts = [0] * chain.n
         self.time = 0.0
+        # summed op by op in timeline order, as run_schedule sums them (bit-identical floats)
+        self.forward_time = self.backward_time = self.recompute_time = 0.0
         self.version = 0
         # what a stored stage / checkpointed segment holds until its backward
         self.stage_holds: dict[int, tuple[object, ...]] = {}
         self.segment_input: dict[int, object] = {}
+        # segment inputs released by the backward of a stage: a checkpointed segment holds its
+        # input until the backward of its first stage (the checkpoint frame dies with it)
+        self.release_at: dict[int, list[object]] = {}
 
     # -------------------------------------------------------------- buffers
     def _alloc(self, key: object, nbytes: int) -> object:
@@ -167,7 +189,13 @@ class _Simulator:
     def _record(self, op: str, stage: int, recompute: bool, peak: int, t: float) -> None:
         """Append an event; call it after the operation's frees so live_bytes is 'after'."""
         self.time += t
-        self.events.append(Event(op, stage, recompute, peak, self.live, t))
+        if op == "B":
+            self.backward_time += t
+        elif recompute:
+            self.recompute_time += t
+        else:
+            self.forward_time += t
+        self.events.append(Event(op, stage - 1, recompute, peak, self.live, t))
 
     # -------------------------------------------------------------- walk
     def run(self, segments: Sequence[Segment]) -> Simulation:
@@ -183,34 +211,33 @@ class _Simulator:
         self._record("loss", 0, False, peak, 0.0)
         grad = self._backward(segments, grad)
         assert grad is None
-        forward_time = c.total_fwd_time()
-        backward_time = c.total_bwd_time()
         return Simulation(
             peak_bytes=self.peak,
             total_time=self.time,
-            forward_time=forward_time,
-            backward_time=backward_time,
-            recompute_time=max(0.0, self.time - forward_time - backward_time),
+            forward_time=self.forward_time,
+            backward_time=self.backward_time,
+            recompute_time=self.recompute_time,
             forward_peak_bytes=forward_peak,
             forward_counts=tuple(self.counts),
             timeline=tuple(self.events),
         )
 
-    def _forward(self, segments: Sequence[Segment], inp: object) -> object:
-        """Run ``segments`` forward from ``inp`` (caller's running reference, consumed)."""
+    def _forward(self, segments: Sequence[Segment], inp: object, drop: bool = False) -> object:
+        """Run ``segments`` forward from ``inp`` (caller's running reference, consumed) and
+        return the output; with ``drop`` (a recomputation, whose output nothing reads) release
+        the output within the last stage's event instead."""
         cur = inp
+        last = segments[-1].stop if drop else 0
         for seg in segments:
+            store = not seg.checkpoint
             if seg.checkpoint:
                 self._ref(cur)
                 self.segment_input[id(seg)] = cur
-                for i in seg.stages():
-                    cur = self._stage_forward(i, cur, store=False)
-            else:
-                for i in seg.stages():
-                    cur = self._stage_forward(i, cur, store=True)
+            for i in seg.stages():
+                cur = self._stage_forward(i, cur, store, drop=i == last)
         return cur
 
-    def _stage_forward(self, i: int, inp: object, store: bool) -> object:
+    def _stage_forward(self, i: int, inp: object, store: bool, drop: bool = False) -> object:
         c = self.chain
         out = self._alloc(self._new_key("a", i), c.out_bytes[i - 1])
         if store:
@@ -222,6 +249,8 @@ class _Simulator:
         self.counts[i - 1] += 1
         peak = self._peak(c.fwd_overhead_bytes[i - 1])
         self._unref(inp)
+        if drop:
+            self._unref(out)  # freed unless the stage stores it
         self._record("F_all" if store else "F_none", i, recompute, peak, c.fwd_time[i - 1])
         return out
 
@@ -230,11 +259,12 @@ class _Simulator:
         for seg in reversed(segments):
             if seg.checkpoint:
                 inp = self.segment_input.pop(id(seg))
+                # the segment holds its input until the backward of its first stage (released
+                # there, before that event is recorded: its live_bytes are 'after')
+                self.release_at.setdefault(seg.start, []).append(inp)
                 self._ref(inp)  # running reference for the recomputation
-                out = self._forward(seg.children, inp)
-                self._unref(out)
+                self._forward(seg.children, inp, drop=True)  # its output is dropped
                 grad = self._backward(seg.children, grad)
-                self._unref(inp)  # the segment no longer holds its input
             else:
                 for i in reversed(seg.stages()):
                     grad = self._stage_backward(i, grad)
@@ -247,6 +277,8 @@ class _Simulator:
         if grad is not None:
             self._unref(grad)
         for key in self.stage_holds.pop(i):
+            self._unref(key)
+        for key in self.release_at.pop(i, ()):
             self._unref(key)
         self._record("B", i, False, peak, c.bwd_time[i - 1])
         return new_grad

@@ -1,4 +1,5 @@
-"""The single source of truth for what a graph plan costs: :func:`simulate_graph`.
+"""The simulator: what a plan costs, :func:`simulate_graph` (:func:`remat.simulate` is its
+chain fast path, equal to it on the path graph event by event: ``tests/test_one_simulator.py``).
 
 Two steps, both public so that an executor can be checked against them:
 
@@ -44,9 +45,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from remat.errors import InfeasibleScheduleError
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
-from remat.simulate import register_simulator
+from remat.simulate import Event, Simulation, register_simulator
 from remat.step import StepCosts, StepEvent, step_peak
 
 __all__ = [
@@ -68,10 +70,6 @@ Tensor = tuple[str, int, int]
 version 0 is the first forward, each recomputation pass has its own number."""
 
 GRAPH_INPUT: Tensor = ("input", -1, 0)
-
-
-class InfeasibleScheduleError(ValueError):
-    """A schedule that cannot run: a read before compute, a use after free, a missing gradient."""
 
 
 @dataclass(frozen=True)
@@ -96,51 +94,13 @@ class ScheduleOp:
     """Time of the op."""
 
 
-@dataclass(frozen=True)
-class GraphEvent:
-    """One operation of the simulated step (the chain simulator's ``Event``, per node)."""
+GraphEvent = Event
+"""One operation of the simulated step: :class:`remat.simulate.Event` (one type for chains and
+graphs; ``node`` is the node index, -1 for the loss)."""
 
-    op: str
-    """``"F_all"``, ``"F_none"``, ``"loss"`` or ``"B"``."""
-    node: int
-    """Node index; -1 for the loss."""
-    recompute: bool
-    """True for a forward that repeats work already done."""
-    peak_bytes: int
-    """Highest live bytes during the operation (transients included)."""
-    live_bytes: int
-    """Live bytes right after the operation (after its frees)."""
-    time: float
-    """Time of the operation."""
-
-
-@dataclass(frozen=True)
-class GraphSimulation:
-    """What a plan costs on a graph (the fields of :class:`remat.Simulation`)."""
-
-    peak_bytes: int
-    """Peak memory over the whole step: input, outputs, saved tensors, gradients, transients
-    (parameters and optimizer state are not included)."""
-    total_time: float
-    """Forward + recomputation + backward time."""
-    forward_time: float
-    """Time of the first forward of every node."""
-    backward_time: float
-    """Time of every node's backward."""
-    recompute_time: float
-    """Time spent in recomputation (forwards beyond the first of each node)."""
-    forward_peak_bytes: int
-    """Peak memory during the first forward alone."""
-    forward_counts: tuple[int, ...]
-    """How many times each node's forward runs (1 = never recomputed)."""
-    timeline: tuple[GraphEvent, ...]
-    """Every operation in execution order."""
-
-    @property
-    def overhead(self) -> float:
-        """Recomputation time relative to one plain forward + backward (0.0 = none)."""
-        base = self.forward_time + self.backward_time
-        return self.recompute_time / base if base else 0.0
+GraphSimulation = Simulation
+"""What a plan costs on a graph: :class:`remat.simulate.Simulation` (one type for chains and
+graphs)."""
 
 
 def simulate_graph(
@@ -219,7 +179,7 @@ def run_schedule(graph: Graph, schedule: Sequence[ScheduleOp]) -> GraphSimulatio
     seen_loss = False
     counts = [0] * graph.n
     backward_done = [False] * graph.n
-    events: list[GraphEvent] = []
+    events: list[Event] = []
     total = fwd_first = bwd = recompute = 0.0
 
     def where(i: int, op: ScheduleOp) -> str:
@@ -283,7 +243,7 @@ def run_schedule(graph: Graph, schedule: Sequence[ScheduleOp]) -> GraphSimulatio
             live -= live_size.pop(tensor)
             freed.add(tensor)
         total += op.time
-        events.append(GraphEvent(op.op, op.node, op.recompute, op_peak, live, op.time))
+        events.append(Event(op.op, op.node, op.recompute, op_peak, live, op.time))
 
     missing = [v for v in range(graph.n) if not backward_done[v]]
     if missing:
@@ -294,7 +254,7 @@ def run_schedule(graph: Graph, schedule: Sequence[ScheduleOp]) -> GraphSimulatio
     if leaked:
         shown = ", ".join(_describe(graph, t) for t in leaked[:5])
         raise InfeasibleScheduleError(f"{len(leaked)} tensors are never freed: {shown}")
-    return GraphSimulation(
+    return Simulation(
         peak_bytes=peak,
         total_time=total,
         forward_time=fwd_first,
