@@ -802,6 +802,7 @@ def auto(
     optimizer: torch.optim.Optimizer | None = None,
     stages: list[str] | None = None,
     loop: str = "output-held",
+    compile: bool | Mapping[str, Any] = False,
 ) -> tuple[nn.Module, AutoSummary]:
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
@@ -830,10 +831,16 @@ def auto(
       output.
 
     The summary says which loop was assumed.
+
+    ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
+    graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
+    a mapping is passed to ``torch.compile`` as keyword arguments. The plan is made on the
+    eager costs (chain path only: a model planned as a module graph
+    raises :class:`~remat.errors.UnsupportedModelError`).
     """
     from remat.capture import _model_arguments, capture
     from remat.profile import default_loss_fn, optimizer_costs
-    from remat.runtime import apply, call_loss
+    from remat.runtime import apply, call_loss, compile_options
 
     check_loop(loop)
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
@@ -843,6 +850,13 @@ def auto(
     except UnsupportedModelError as err:
         if stages is not None:
             raise
+        if compile_options(compile) is not None:
+            raise UnsupportedModelError(
+                "compile=True needs a model that splits into a chain of stages; this one "
+                "does not, and the module-graph executor it would be planned with replays "
+                "torch calls from Python and cannot be compiled: use compile=False, or name "
+                "stages= (submodule names) that split the model into a chain"
+            ) from err
         return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
@@ -900,7 +914,9 @@ def auto(
         with _for_new_inputs(args, kwargs):
             return plan_captured(new, spec)[0]
 
-    planned = apply(model, chosen, stages=captured.stages, example=example, replan=replan)
+    planned = apply(
+        model, chosen, stages=captured.stages, example=example, replan=replan, compile=compile
+    )
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
     summary = AutoSummary.of(
