@@ -834,8 +834,10 @@ def auto(
 
     ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
     graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
-    a mapping is passed to ``torch.compile`` as keyword arguments. The plan is made on the
-    eager costs (chain path only: a model planned as a module graph
+    a mapping is passed to ``torch.compile`` as keyword arguments. Under inductor (the default
+    backend) the plan is made on what the compiled stages save
+    (:func:`remat.capture.capture`'s ``compile``) and the eager times and transients; under
+    another backend on the eager costs (chain path only: a model planned as a module graph
     raises :class:`~remat.errors.UnsupportedModelError`).
     """
     from remat.capture import _model_arguments, capture
@@ -843,14 +845,19 @@ def auto(
     from remat.runtime import apply, call_loss, compile_options
 
     check_loop(loop)
+    options = compile_options(compile)
+    # what compiled stages save, measured under inductor only: the transients stay eager's,
+    # which inductor's fused kernels do not exceed but unfused AOT backends do (tested)
+    inductor = options is not None and options.get("backend", "inductor") == "inductor"
+    compiled_costs = options if inductor else None
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     try:
-        captured = capture(model, batch, loss_fn=loss_fn, stages=stages)
+        captured = capture(model, batch, loss_fn=loss_fn, stages=stages, compile=compiled_costs)
     except UnsupportedModelError as err:
         if stages is not None:
             raise
-        if compile_options(compile) is not None:
+        if options is not None:
             raise UnsupportedModelError(
                 "compile=True needs a model that splits into a chain of stages; this one "
                 "does not, and the module-graph executor it would be planned with replays "
@@ -900,13 +907,15 @@ def auto(
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 
     def measure_loss() -> tuple[int, int]:
-        proxy = capture(model, example, loss_fn=call_loss, stages=stages)
+        proxy = capture(model, example, loss_fn=call_loss, stages=stages, compile=compiled_costs)
         return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
-        new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages)
+        new = capture(
+            model, (args, kwargs), loss_fn=call_loss, stages=stages, compile=compiled_costs
+        )
         held = margin(new.chain.input_bytes)
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
