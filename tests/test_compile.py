@@ -190,6 +190,22 @@ def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> Non
     model.zero_grad(set_to_none=True)
 
 
+def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> None:
+    # the embedding stage builds the causal mask under transformers' TransformGetItemToIndex (a
+    # TorchFunctionMode): a side effect inside the checkpoint, which broke the graph there and
+    # made dynamo run the whole executor loop eagerly
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    planned = remat.apply(model, remat.Plan.from_checkpoints(4, [2]), compile=PARTITIONER)
+    assert planned.plan.segments[0].checkpoint and planned.plan.segments[0].start == 1
+    planned(**batch).loss.backward()
+    assert graphs_and_breaks() == (1, 0)
+    reference(**batch).loss.backward()
+    assert_equal_grads(model, reference)
+
+
 def test_capture_counts_what_compiled_stages_save() -> None:
     # the partitioner recomputes a GPT-2 block's pointwise ops rather than saving them: the
     # compiled capture's saved bytes are below eager's (the last stage, with the loss, is eager's)

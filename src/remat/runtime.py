@@ -356,12 +356,17 @@ class _Executor:
         """A compiled training forward (``compiled`` must be set). The first call compiles;
         graph breaks there are warned about once (what they split runs eagerly)."""
         assert self.compiled is not None
-        if self._compiled_once:
-            return self.compiled(args, kwargs)
-        from torch._dynamo.utils import counters
+        # A segment's Python side effects happen once, in the forward (remat's eager executor
+        # keeps batch-norm updates out of recomputations too); without this, a balanced one
+        # such as transformers' mask code entering a TorchFunctionMode breaks the graph at
+        # the checkpoint and dynamo runs the whole executor loop eagerly.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            if self._compiled_once:
+                return self.compiled(args, kwargs)
+            from torch._dynamo.utils import counters
 
-        before = dict(counters["graph_break"])
-        out = self.compiled(args, kwargs)
+            before = dict(counters["graph_break"])
+            out = self.compiled(args, kwargs)
         self._compiled_once = True
         breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
         breaks = {k: v for k, v in breaks.items() if v > 0}
