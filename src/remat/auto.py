@@ -819,6 +819,7 @@ def auto(
     stages: list[str] | None = None,
     loop: str = "output-held",
     fake: bool = False,
+    compile: bool | Mapping[str, Any] = False,
 ) -> tuple[nn.Module, AutoSummary]:
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
@@ -859,22 +860,46 @@ def auto(
     (``planned.to_empty(device=...)`` and initialise it) before training. Fake tensors
     allocate nothing, so kernel scratch memory (oneDNN convolution workspaces on the CPU) is
     not counted; a model whose forward reads tensor values in Python raises ``ValueError``.
+
+    ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
+    graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
+    a mapping is passed to ``torch.compile`` as keyword arguments. Under inductor (the default
+    backend) the plan is made on what the compiled stages save
+    (:func:`remat.capture.capture`'s ``compile``) and the eager times and transients; under
+    another backend on the eager costs (chain path only: a model planned as a module graph
+    raises :class:`~remat.errors.UnsupportedModelError`).
     """
     from remat.capture import _model_arguments, capture
     from remat.profile import default_loss_fn, optimizer_costs
-    from remat.runtime import apply, call_loss
+    from remat.runtime import apply, call_loss, compile_options
 
     check_loop(loop)
+    options = compile_options(compile)
+    # what compiled stages save, measured under inductor only: the transients stay eager's,
+    # which inductor's fused kernels do not exceed but unfused AOT backends do (tested)
+    inductor = options is not None and options.get("backend", "inductor") == "inductor"
+    compiled_costs = options if inductor else None
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     batch = _batch_for_meta_parameters(model, batch, fake)
     try:
-        captured, options = _first_capture(
-            model, fake, lambda o: capture(model, batch, loss_fn=loss_fn, stages=stages, **o)
+        captured, capture_options = _first_capture(
+            model,
+            fake,
+            lambda o: capture(
+                model, batch, loss_fn=loss_fn, stages=stages, compile=compiled_costs, **o
+            ),
         )
     except UnsupportedModelError as err:
         if stages is not None:
             raise
+        if options is not None:
+            raise UnsupportedModelError(
+                "compile=True needs a model that splits into a chain of stages; this one "
+                "does not, and the module-graph executor it would be planned with replays "
+                "torch calls from Python and cannot be compiled: use compile=False, or name "
+                "stages= (submodule names) that split the model into a chain"
+            ) from err
         return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop, fake)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
@@ -918,13 +943,27 @@ def auto(
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 
     def measure_loss() -> tuple[int, int]:
-        proxy = capture(model, example, loss_fn=call_loss, stages=stages, **options)
+        proxy = capture(
+            model,
+            example,
+            loss_fn=call_loss,
+            stages=stages,
+            compile=compiled_costs,
+            **capture_options,
+        )
         return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
-        new = capture(model, (args, kwargs), loss_fn=call_loss, stages=stages, **options)
+        new = capture(
+            model,
+            (args, kwargs),
+            loss_fn=call_loss,
+            stages=stages,
+            compile=compiled_costs,
+            **capture_options,
+        )
         held = margin(new.chain.input_bytes)
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
@@ -932,7 +971,9 @@ def auto(
         with _for_new_inputs(args, kwargs):
             return plan_captured(new, spec)[0]
 
-    planned = apply(model, chosen, stages=captured.stages, example=example, replan=replan)
+    planned = apply(
+        model, chosen, stages=captured.stages, example=example, replan=replan, compile=compile
+    )
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
     summary = AutoSummary.of(
@@ -947,7 +988,7 @@ def auto(
         unplanned_peak(captured),
         loop=loop,
         output_held_bytes=costs_of(captured).output_held_bytes,
-        fake=bool(options),
+        fake=bool(capture_options),
     )
     return planned, summary
 

@@ -70,10 +70,11 @@ memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,19 +161,29 @@ def capture(
     repeats: int = 3,
     progress: bool = False,
     time_model: TimeModel | None = None,
+    *,
+    compile: Mapping[str, Any] | None = None,
 ) -> Captured:
     """Like :func:`capture_chain`, also returning the :class:`~remat.stages.Stages` (for the
     executor). ``stages`` names the boundaries for models that are not cut automatically.
     ``progress`` shows a tqdm bar over the stages. ``time_model`` (with ``fake=True`` only)
-    gives the stages' times in seconds from the work counted under fake tensors."""
+    gives the stages' times in seconds from the work counted under fake tensors.
+
+    ``compile`` (``torch.compile`` keyword arguments; real tensors only): the plan will run
+    compiled (``remat.apply(..., compile=...)``), so each stage but the last (which holds the
+    loss) is also run compiled alone and its ``saved_bytes`` is what the compiled stage saves
+    (the partitioner recomputes some pointwise ops instead of saving them: a GPT-2 block saves
+    about half of eager's); times and overheads stay the eager measurements."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if time_model is not None and not fake:
         raise ValueError("time_model is for fake=True captures: a real capture times the stages")
+    if fake and compile is not None:
+        raise ValueError("compile= needs a real capture (fake=False): it runs the stages")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
     with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure
-        return _capture(model, batch, loss_fn, split, fake, repeats, progress, time_model)
+        return _capture(model, batch, loss_fn, split, fake, repeats, progress, time_model, compile)
 
 
 def _capture(
@@ -184,6 +195,7 @@ def _capture(
     repeats: int,
     progress: bool,
     time_model: TimeModel | None = None,
+    compile: Mapping[str, Any] | None = None,
 ) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
@@ -200,6 +212,9 @@ def _capture(
                 chain, rises, output = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress
                 )
+                if compile is not None:
+                    saved = _compiled_saved_bytes(model, split, private.batch, loss_fn, compile)
+                    chain = _with_saved_bytes(chain, saved)
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
@@ -210,6 +225,59 @@ def _capture(
 
 
 # ---------------------------------------------------------------------- implementation
+def _compiled_saved_bytes(
+    model: nn.Module, split: Stages, batch: Any, loss_fn: LossFn, options: Mapping[str, Any]
+) -> list[int | None]:
+    """Per stage, the bytes it saves for backward when compiled alone (``torch.compile`` with
+    ``options``, static shapes), counted as :func:`measure_stage` counts ``saved_bytes``
+    (unique storages, no parameters, buffers, batch or input; the output included); None for
+    the last stage (its loss runs outside the stages). Only forwards run (no backward): the
+    caller restores buffers and the RNG."""
+    args, kwargs = _model_arguments(model, loss_fn, batch)
+    x = split.prepare(*args, **kwargs)
+    skip = _keys([*model.parameters(), *model.buffers()])
+    skip.update(_keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(x)]))
+    result: list[int | None] = []
+    for module in split.modules[:-1]:
+        x = tree_map_only(torch.Tensor, _fresh_leaf, x)
+        inputs = _keys(_tensors(x))
+        saved: dict[int, int] = {}
+
+        def pack(
+            t: torch.Tensor, inputs: dict[int, int] = inputs, saved: dict[int, int] = saved
+        ) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key not in skip and key not in inputs:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            out = torch.compile(module, **{"dynamic": False, **options})(x)
+        new = {k: v for k, v in _keys(_tensors(out)).items() if k not in skip and k not in inputs}
+        result.append(sum({**saved, **new}.values()))
+        x = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), out)
+    result.append(None)
+    return result
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+def _with_saved_bytes(chain: Chain, saved: Sequence[int | None]) -> Chain:
+    """``chain`` with the stages' ``saved_bytes`` replaced where given (at least the output's
+    bytes); each backward overhead stays relative to what the stage saves, within its floor."""
+    new_saved = [
+        chain.saved_bytes[i] if s is None else max(s, chain.out_bytes[i])
+        for i, s in enumerate(saved)
+    ]
+    overhead = [
+        max(-(s + out), b)
+        for s, out, b in zip(new_saved, chain.out_bytes, chain.bwd_overhead_bytes, strict=True)
+    ]
+    return dataclasses.replace(chain, saved_bytes=new_saved, bwd_overhead_bytes=overhead)
+
+
 class _Stop(Exception):
     """Raised by the recording proxy once it has seen the model's arguments."""
 

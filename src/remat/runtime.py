@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -235,9 +236,19 @@ class _FrozenRunningStats:
 
 # ---------------------------------------------------------------------- the executor
 class _Executor:
-    """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints."""
+    """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints.
 
-    def __init__(self, stages: Stages, plan: Plan, early_stop: bool) -> None:
+    With ``compile_options`` (``torch.compile``'s keyword arguments), :meth:`step` runs the
+    whole forward (``prepare``, the segments, ``finish``) as one ``torch.compile`` graph (see
+    NOTE [ Compiled plans ])."""
+
+    def __init__(
+        self,
+        stages: Stages,
+        plan: Plan,
+        early_stop: bool,
+        compile_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.stages = stages
         self.plan = plan
         self.early_stop = early_stop
@@ -246,6 +257,13 @@ class _Executor:
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
                 self._norms[(seg.start, seg.stop)] = _running_stat_modules(mods)
+        self.compiled: Callable[..., Any] | None = None
+        self._compiled_once = False
+        if compile_options is not None:
+            # one compiled function per plan: a new input signature gets its own plan and so
+            # its own graph (static shapes: the plan was made for these shapes only)
+            options = {"dynamic": False, **compile_options}
+            self.compiled = torch.compile(self._traced_step, **options)
 
     def run(self, a: Any) -> Any:
         return self._run_segments(self.plan.segments, a)
@@ -297,6 +315,71 @@ class _Executor:
             raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
         return out
 
+    # NOTE [ Compiled plans ]: under torch.compile, dynamo traces each non-reentrant
+    # ``checkpoint`` as the ``tag_activation_checkpoint`` higher-order op; AOTAutograd tags the
+    # ops inside as recomputed, and the min-cut partitioner saves only the segment's inputs for
+    # the backward and recomputes the rest there (nested segments are recomputed inside their
+    # parent's recomputation). Outside checkpointed segments the partitioner is free as in any
+    # compiled model (it may recompute cheap pointwise ops instead of saving them). The traced
+    # code below is the executor without the eager memory hygiene (``del``, versions, batch
+    # norm copies): in one graph, the compiler frees each tensor after its last use and
+    # functionalises buffer updates (applied once per step).
+    def _traced_step(self, args: tuple, kwargs: dict) -> Any:
+        stages = self.stages
+        a = self._traced_segments(self.plan.segments, stages.prepare(*args, **kwargs))
+        return stages.finish(a, *args, **kwargs)
+
+    def _traced_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+        modules = self.stages.modules
+        for seg in segments:
+            if not seg.checkpoint:
+                for i in seg.stages():
+                    a = modules[i - 1](a)
+                continue
+            leaves, spec = tree_flatten(a)
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+            def run_children(
+                *ts: torch.Tensor,
+                children: Any = seg.children,
+                leaves: Any = leaves,
+                spec: Any = spec,
+            ) -> Any:
+                it = iter(ts)
+                rebuilt = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+                return self._traced_segments(children, tree_unflatten(rebuilt, spec))
+
+            a = checkpoint(run_children, *tensors, use_reentrant=False)
+        return a
+
+    def step(self, args: tuple, kwargs: dict) -> Any:
+        """A compiled training forward (``compiled`` must be set). The first call compiles;
+        graph breaks there are warned about once (what they split runs eagerly)."""
+        assert self.compiled is not None
+        # A segment's Python side effects happen once, in the forward (remat's eager executor
+        # keeps batch-norm updates out of recomputations too); without this, a balanced one
+        # such as transformers' mask code entering a TorchFunctionMode breaks the graph at
+        # the checkpoint and dynamo runs the whole executor loop eagerly.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            if self._compiled_once:
+                return self.compiled(args, kwargs)
+            from torch._dynamo.utils import counters
+
+            before = dict(counters["graph_break"])
+            out = self.compiled(args, kwargs)
+        self._compiled_once = True
+        breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
+        breaks = {k: v for k, v in breaks.items() if v > 0}
+        if breaks:
+            warnings.warn(
+                f"compile=True: torch.compile split the planned forward at {sum(breaks.values())}"
+                f" graph break(s) ({'; '.join(str(k).splitlines()[0] for k in breaks)}); "
+                "code around a break runs eagerly (a checkpointed segment that holds one is "
+                "an eager checkpoint: still recomputed, not fused)",
+                stacklevel=3,
+            )
+        return out
+
 
 def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     if not isinstance(plan, Plan):
@@ -337,6 +420,7 @@ class PlannedModule(nn.Module):
         signature: tuple | None = None,
         replan: Callable[..., Plan] | None = None,
         early_stop: bool = False,
+        compile: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -344,8 +428,9 @@ class PlannedModule(nn.Module):
         # kept out of the module tree so that parameters and state_dict are the model's only.
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_early_stop", early_stop)
+        object.__setattr__(self, "_compile", compile)
         object.__setattr__(self, "_watch", StageWatch(model, stages))
-        executor = _Executor(stages, _resolve_plan(plan, stages), early_stop)
+        executor = _Executor(stages, _resolve_plan(plan, stages), early_stop, compile)
         plans = SignaturePlans(
             executor,
             signature,
@@ -376,7 +461,9 @@ class PlannedModule(nn.Module):
         return self._plans.current
 
     def _build(self, plan: Plan, args: tuple, kwargs: dict) -> _Executor:
-        return _Executor(self._stages, _resolve_plan(plan, self._stages), self._early_stop)
+        return _Executor(
+            self._stages, _resolve_plan(plan, self._stages), self._early_stop, self._compile
+        )
 
     def train(self, mode: bool = True) -> PlannedModule:
         super().train(mode)
@@ -394,6 +481,8 @@ class PlannedModule(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return _run_plain(stages, args, kwargs)
         executor = self._executor_for(args, kwargs)
+        if executor.compiled is not None:
+            return executor.step(args, kwargs)
         a0 = stages.prepare(*args, **kwargs)
         return stages.finish(executor.run(a0), *args, **kwargs)
 
@@ -415,7 +504,9 @@ class PlannedModule(nn.Module):
 
         def rebuild(old: _Executor) -> _Executor:
             if id(old) not in rebuilt:
-                rebuilt[id(old)] = _Executor(new, _resolve_plan(old.plan, new), self._early_stop)
+                rebuilt[id(old)] = _Executor(
+                    new, _resolve_plan(old.plan, new), self._early_stop, self._compile
+                )
             return rebuilt[id(old)]
 
         plans = self._plans
@@ -459,6 +550,7 @@ def apply(
     *,
     replan: Callable[..., Plan] | None = None,
     early_stop: bool = False,
+    compile: bool | Mapping[str, Any] = False,
 ) -> PlannedModule:
     """Wrap ``model`` so that its training steps run under ``plan``.
 
@@ -481,6 +573,13 @@ def apply(
         early_stop: let torch stop recomputations as soon as the saved tensors they need exist
             (saves some recomputation that :func:`remat.simulate` counts; off by default so
             that the executor runs exactly what the simulator predicts).
+        compile: run each training forward (``prepare``, the stages, ``finish``) through
+            ``torch.compile`` (inductor, static shapes) as one graph in which the plan's
+            checkpointed segments are what is recomputed (NOTE [ Compiled plans ]); graph
+            breaks are warned about at the first call (code around one runs eagerly). Each
+            input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
+            run the eager model. A mapping instead of ``True`` is passed to ``torch.compile``
+            as keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": ...}``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -494,4 +593,26 @@ def apply(
     if example is not None:
         args, kwargs = _example_args(example)
         signature = input_signature(*args, **kwargs)
-    return PlannedModule(model, plan, stages, signature, replan=replan, early_stop=early_stop)
+    return PlannedModule(
+        model,
+        plan,
+        stages,
+        signature,
+        replan=replan,
+        early_stop=early_stop,
+        compile=compile_options(compile),
+    )
+
+
+def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``torch.compile``'s keyword arguments for ``compile=`` (None: not compiled)."""
+    if compile is True:
+        return {}
+    if compile is False or compile is None:
+        return None
+    if isinstance(compile, Mapping):
+        return dict(compile)
+    raise TypeError(
+        "compile must be True, False or a mapping of torch.compile keyword arguments, got "
+        f"{type(compile).__name__}"
+    )

@@ -48,7 +48,9 @@ Known limitations:
       (:attr:`GraphPlannedModule.executed_plan`, which is what to simulate).
     * Each call of the model goes through a Python ``TorchFunctionMode`` (a few microseconds
       per torch call) and a recomputation replays calls from Python; ``torch.compile`` of the
-      planned module is not supported (use the chain executor, :func:`remat.apply`).
+      planned module runs it eagerly (its forward is ``torch.compiler.disable``-d: the plan is
+      honoured, nothing is fused); to compile a plan, use the chain executor
+      (``remat.apply(..., compile=True)``).
     * The model must make the same torch calls at every training step for the traced input
       signature (checked call by call: :class:`GraphExecutionError` otherwise).
     * A segment input that is modified in place after the segment read it (outside the
@@ -226,6 +228,10 @@ class GraphPlannedModule(nn.Module):
             raise GraphExecutionError("the model has not been traced yet (call it once)")
         return self._program.trace
 
+    # The executor replays the traced torch calls under a TorchFunctionMode, which dynamo would
+    # trace into other calls (``mul.Tensor`` for ``mul``) and break: torch.compile of a graph-
+    # planned module runs this forward eagerly (the plan honoured, nothing fused).
+    @torch.compiler.disable(reason="remat's graph executor runs eagerly (compile the chain path)")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)

@@ -1,0 +1,263 @@
+"""``compile=True``: the planned model's training forward as one ``torch.compile`` graph in which
+remat's plan decides what is recomputed (runtime.py, NOTE [ Compiled plans ]).
+
+Gradients are compared with the eager, unplanned model at ``rtol=1e-4, atol=1e-5`` (CPU fp32:
+inductor's fused kernels sum in another order). Peaks are the allocator's
+(:func:`remat.measure.step_peak_bytes`, which sees inside compiled code). Inductor's C++
+compile takes seconds per graph on a CPU, so one test compiles with inductor; the others use
+``aot_eager_decomp_partition`` (dynamo, AOTAutograd and the same min-cut partitioner, run
+eagerly): what is saved and recomputed is decided as under inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import remat
+from remat.errors import UnsupportedModelError
+from remat.measure import step_peak_bytes
+from remat.plans import Segment
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+PARTITIONER = {"backend": "aot_eager_decomp_partition"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp(width: int = 64, depth: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
+    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        setattr(config, name, 0.0)  # compiled dropout draws other masks than eager's
+    model = GPT2LMHeadModel(config)
+    # (without it, transformers' loss_function logs a warning_once on each call, a graph break
+    # in the loss that remat warns about: the stages still compile as one graph)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_equal_grads(model: nn.Module, reference: nn.Module) -> None:
+    got, want = grads_of(model), grads_of(reference)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def step_of(module: nn.Module, loss: Any, batch: Any) -> Any:
+    def step() -> None:
+        loss(module, batch).backward()
+        for p in module.parameters():
+            p.grad = None
+
+    return step
+
+
+def graphs_and_breaks() -> tuple[int, int]:
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def test_mlp_compiled_with_inductor_one_graph_equal_gradients_within_budget() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    planned, summary = remat.auto(
+        model, x, loss_fn=loss, budget="70%", compile=True, loop="loss-only"
+    )
+    assert any(seg.checkpoint for seg in planned.plan.walk())
+    counters.clear()  # (the capture compiled each stage alone to measure what it saves)
+    loss(planned, x).backward()
+    assert graphs_and_breaks() == (1, 0)  # the whole planned forward: one graph, no break
+    loss(reference, x).backward()
+    assert_equal_grads(model, reference)
+    measured = step_peak_bytes(step_of(planned, loss, x), model, None, x)
+    assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
+
+
+@pytest.mark.parametrize("checkpoints", [[3, 6, 9], "nested"])
+def test_compiled_plan_recomputes_its_segments(checkpoints: Any) -> None:
+    # the partitioner saves a checkpointed segment's input only: fewer saved bytes than the
+    # compiled unplanned model, and the gradients of eager; nested segments too
+    model = mlp(depth=6)
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 64)
+    if checkpoints == "nested":
+        inner = (Segment(3, 5), Segment(6, 8, True))
+        plan = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
+    else:
+        plan = remat.Plan.from_checkpoints(12, checkpoints)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    planned = remat.apply(model, plan, compile=PARTITIONER)
+    loss(planned, x).backward()
+    assert graphs_and_breaks()[1] == 0
+    loss(reference, x).backward()
+    assert_equal_grads(model, reference)
+    plain = torch.compile(reference, **PARTITIONER)
+    planned_peak = step_peak_bytes(step_of(planned, loss, x), model, None, x)
+    plain_peak = step_peak_bytes(step_of(plain, loss, x), reference, None, x)
+    assert planned_peak < plain_peak, (planned_peak, plain_peak)
+
+
+def test_compiled_plan_with_batchnorm_updates_running_statistics_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            for _ in range(4)
+        ]
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8, 8)
+    inner = (Segment(1, 1), Segment(2, 3, True))
+    planned = remat.apply(
+        model, remat.Plan((Segment(1, 3, True, inner), Segment(4, 4))), compile=PARTITIONER
+    )
+    planned(x).sum().backward()
+    assert graphs_and_breaks() == (1, 0)
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        # (a convolution's bias before batch norm has a zero gradient: noise of 1e-5 here)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> None:
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (4, 32))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        return m(**b).loss
+
+    planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
+    assert any(seg.checkpoint for seg in planned.plan.walk())
+    counters.clear()  # (the capture compiled each stage alone to measure what it saves)
+    loss(planned, batch).backward()
+    assert graphs_and_breaks() == (1, 0)
+    loss(reference, batch).backward()
+    assert_equal_grads(model, reference)
+    measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
+    assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
+
+    # another batch size: re-planned under the same budget and compiled for it (its own graph)
+    ids2 = torch.randint(0, 128, (2, 32))
+    batch2 = {"input_ids": ids2, "labels": ids2}
+    first = planned._executor
+    loss(planned, batch2).backward()  # (captures the stages again, compiled, to re-plan)
+    assert planned._executor is not first and planned._executor.compiled is not first.compiled
+    assert graphs_and_breaks()[1] == 0
+    loss(reference, batch2).backward()
+    assert_equal_grads(model, reference)
+    measured2 = step_peak_bytes(step_of(planned, loss, batch2), model, None, batch2)
+    assert measured2 <= summary.budget_bytes, (measured2, summary.budget_bytes)
+    graphs = graphs_and_breaks()
+    loss(planned, batch).backward()  # back to the first shape: its graph, no new compile
+    assert planned._executor is first and graphs_and_breaks() == graphs
+    model.zero_grad(set_to_none=True)
+
+
+def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> None:
+    # the embedding stage builds the causal mask under transformers' TransformGetItemToIndex (a
+    # TorchFunctionMode): a side effect inside the checkpoint, which broke the graph there and
+    # made dynamo run the whole executor loop eagerly
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    planned = remat.apply(model, remat.Plan.from_checkpoints(4, [2]), compile=PARTITIONER)
+    assert planned.plan.segments[0].checkpoint and planned.plan.segments[0].start == 1
+    planned(**batch).loss.backward()
+    assert graphs_and_breaks() == (1, 0)
+    reference(**batch).loss.backward()
+    assert_equal_grads(model, reference)
+
+
+def test_capture_counts_what_compiled_stages_save() -> None:
+    # the partitioner recomputes a GPT-2 block's pointwise ops rather than saving them: the
+    # compiled capture's saved bytes are below eager's (the last stage, with the loss, is eager's)
+    from remat.capture import capture
+
+    model = gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    eager = capture(model, batch).chain
+    compiled = capture(model, batch, compile=PARTITIONER).chain
+    blocks = [i for i, name in enumerate(eager.names) if name.startswith("transformer.h.")]
+    assert len(blocks) == 2
+    for i in blocks:
+        assert eager.out_bytes[i] <= compiled.saved_bytes[i] < 0.8 * eager.saved_bytes[i]
+    assert compiled.saved_bytes[-1] == eager.saved_bytes[-1]
+    assert compiled.out_bytes == eager.out_bytes
+    with pytest.raises(ValueError, match="real capture"):
+        capture(model, batch, fake=True, compile=PARTITIONER)
+
+
+class Branchy(nn.Module):
+    """Not a chain: two branches meet in a product (planned as a module graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.a = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) * self.b(h))
+
+
+def test_graph_path_refuses_compile_and_torch_compile_runs_it_eagerly() -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    with pytest.raises(UnsupportedModelError, match="compile=True needs a model that splits"):
+        remat.auto(model, x, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not a chain"
+        planned, _ = remat.auto(model, x)
+    assert planned.plan.segments  # something is recomputed
+    # was GraphExecutionError "torch call 10 of the forward is mul.Tensor but the trace has mul"
+    torch.compile(planned, backend="aot_eager")(x).sum().backward()
+    reference(x).sum().backward()
+    assert_equal_grads(model, reference)
+
+
+def test_compile_argument_is_checked() -> None:
+    with pytest.raises(TypeError, match="compile must be True, False or a mapping"):
+        remat.apply(mlp(depth=1), remat.Plan.none(), compile="yes")  # type: ignore[arg-type]
