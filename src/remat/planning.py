@@ -260,8 +260,8 @@ def plan_for_step(
        (``budget`` minus :attr:`~remat.step.StepCosts.held_bytes`, minus every gradient when
        they are all live): when its step fits it is the answer (no fitting plan keeps more
        activations);
-    2. its plan for the safe reading (every gradient and every checkpoint's state counted live
-       at the activation peak); for a chain, a bisection between the two (the step's peak is
+    2. its plan for the safe reading (every gradient counted live at the activation peak);
+       for a chain, a bisection between the two (the step's peak is
        not a monotone function of the activation peak: a gradient made early in the backward
        can meet a recomputation); a graph planner below its least peak plans at that least;
     3. :func:`step_candidates`: the planner's candidates (chain: :func:`remat.planners.
@@ -331,9 +331,6 @@ class _Space:
     @staticmethod
     def time(p: AnyPlan) -> float:
         return p.predicted_time or 0.0
-
-    def segments_at_most(self) -> int:
-        return self.structure.n if self.is_chain else len(self.structure.nodes)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ plans
     def plan_at(self, activation_budget: int) -> AnyPlan | None:
@@ -431,8 +428,8 @@ def _search(space: _Space, total: int) -> AnyPlan:
         fitting.append(found)
         return True
 
-    # the safe reading: every gradient and every checkpoint's state live at the activation peak
-    lo = total - costs.fixed_bytes - space.segments_at_most() * costs.checkpoint_state_bytes
+    # the safe reading: every gradient live at the activation peak
+    lo = total - costs.fixed_bytes
     lo -= max(costs.grad_bytes, default=0) if costs.grads_live else 0
     if lo < hi:
         fits(lo)
