@@ -218,3 +218,27 @@ def test_plan_for_step_contracts_on_captured_models() -> None:
     )
     unplanned = step_peak_of(trace.graph, GraphPlan.none(), costs)
     check_contracts(trace.graph, costs, [int(unplanned * f) for f in (0.6, 0.8, 1)])
+
+
+def test_a_budget_without_gradient_timing_counts_the_checkpoints_rng_states() -> None:
+    # auto_distributed's reading (plan_for_total_budget without grad_bytes: every gradient in
+    # the fixed bytes): the plan's predicted step, with the executor's RNG state per checkpoint
+    # (total_peak_bytes), stays within the budget. Before the one search it planned the
+    # activation budget alone: here 27,001,915 B predicted at a 27,000,000 B budget.
+    import importlib
+
+    auto = importlib.import_module("remat.auto")
+    chain = Chain.random(9, seed=1, max_bytes=2_000_000)
+    fixed = 10_000_000 + 9 * 300_000
+    budgets = range(21_000_000, 45_000_000, 1_500_000)
+    for budget in budgets:
+        try:
+            found = auto.plan_for_total_budget(
+                chain, fixed, budget, "optimal-time", optimizer_step_bytes=500
+            )
+        except BudgetTooSmallError:
+            continue
+        predicted = auto.total_peak_bytes(
+            chain, found, fixed, [0] * chain.n, optimizer_step_bytes=500
+        )
+        assert predicted <= budget, (budget, predicted, found.describe())
