@@ -20,6 +20,8 @@ PURE_MODULES = (
     "remat.simulate",
     "remat.planners",
     "remat.api",
+    "remat.planning",
+    "remat.step",
     "remat.graphs",
     "remat.graphs.graph",
     "remat.graphs.plan",
@@ -55,6 +57,14 @@ def test_pure_modules_plan_with_torch_blocked() -> None:
             gp = remat.plan(graph, method)
             assert remat.simulate(graph, gp).peak_bytes == simulate_graph(graph, gp).peak_bytes
             assert gp.predicted_peak_bytes == plan_graph(graph, method).predicted_peak_bytes
+        from remat.planning import plan_for_step, step_peak_of
+        from remat.step import StepCosts
+
+        costs = StepCosts(persistent_bytes=100, grad_bytes=(3,) * 6, checkpoint_state_bytes=7)
+        chosen = plan_for_step(chain, costs, 100 + 18 + none_peak)
+        assert step_peak_of(chain, chosen, costs) <= 100 + 18 + none_peak
+        graph_costs = StepCosts(persistent_bytes=10, grad_bytes=(1,) * graph.n)
+        assert plan_for_step(graph, graph_costs, None).method in ("reforward", "none")
         loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
         assert loaded == ["torch"] and sys.modules["torch"] is None, loaded
         print("ok")

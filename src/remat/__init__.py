@@ -11,9 +11,9 @@ import sys
 import types
 from typing import Any
 
-from remat.api import ParetoPoint, pareto, plan
 from remat.costs import Chain
 from remat.planners import BudgetTooSmallError, available
+from remat.planning import ParetoPoint, pareto, plan
 from remat.plans import Plan, PlanError, Segment
 from remat.simulate import Simulation, simulate
 from remat.units import format_bytes, parse_bytes

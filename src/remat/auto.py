@@ -42,9 +42,10 @@ from remat.costs import Chain
 from remat.errors import UnsupportedModelError
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.measure import SCRATCH_MIN_BYTES
+from remat.planning import chain_timeline, plan_for_step, step_peak_of
 from remat.plans import Plan
 from remat.simulate import simulate
-from remat.step import LOOPS, StepCosts, StepEvent, check_loop, output_held_bytes, step_peak
+from remat.step import LOOPS, StepCosts, check_loop, output_held_bytes
 from remat.units import format_bytes, parse_bytes, resolve_budget
 
 if TYPE_CHECKING:
@@ -255,81 +256,35 @@ def plan_for_total_budget(
     output_held_bytes: int = 0,
     slack_bytes: int = 0,
 ) -> Plan:
-    """Plan ``chain`` so that the whole training step's peak fits ``budget``.
+    """Plan ``chain`` so that the whole training step's peak fits ``budget``: the
+    :class:`~remat.step.StepCosts` of these numbers given to
+    :func:`remat.planning.plan_for_step` (the one budget search; its docstring says which plans
+    it weighs and what its :class:`~remat.planners.BudgetTooSmallError` names), with the
+    executor's :func:`checkpoint_state_bytes` per checkpointed segment.
 
     ``fixed`` is what no plan changes (parameters, their gradients, buffers, optimizer state).
-    Without ``grad_bytes`` the activation budget is ``budget - fixed`` (safe: it counts every
-    parameter gradient as live during the whole backward). With ``grad_bytes`` (the parameter
-    gradient bytes each stage's backward allocates, :func:`stage_grad_bytes`), the step's total
-    peak is evaluated exactly over the plan's timeline (:func:`total_peak_bytes`: gradients
-    appear as the backward reaches their stage) and the largest activation budget whose plan
-    fits is used — a lower, still honest, reading of the same budget. ``grad_rise_bytes``
-    (:attr:`remat.capture.Captured.grad_rise_bytes`) makes that evaluation exact during each
-    stage's backward. ``optimizer_step_bytes`` (the temporaries of one optimizer step,
-    :func:`remat.profile.optimizer_costs`) with ``fixed`` and the batch is the step's last
-    phase, which no plan changes: a budget below it raises at once. ``output_held_bytes`` is
-    the model output the training loop keeps through the step (:mod:`remat.step`), live all
-    step beside the activations; ``slack_bytes`` (:attr:`remat.step.StepCosts.slack_bytes`)
-    too.
-
-    With ``budget=None``: the plan with the least activation peak whose predicted time is at
-    most the unplanned time plus one extra forward.
-
-    A :class:`~remat.planners.BudgetTooSmallError` names a ``minimum_bytes`` that this function
-    accepts when called again with it as the budget.
+    ``grad_bytes``: the parameter-gradient bytes each stage's backward allocates
+    (:func:`stage_grad_bytes`), counted as the backward makes them (during each stage's
+    backward ``grad_rise_bytes`` of them, :attr:`remat.capture.Captured.grad_rise_bytes`);
+    without them every gradient is counted live all step (the safe reading).
+    ``optimizer_step_bytes``: the temporaries of one optimizer step
+    (:func:`remat.profile.optimizer_costs`); ``output_held_bytes``: the model output the
+    training loop keeps (:mod:`remat.step`); ``slack_bytes``:
+    :attr:`remat.step.StepCosts.slack_bytes`. ``budget=None``: the plan with the least
+    activation peak whose predicted time is at most the unplanned time plus one forward.
     """
-    from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError
-
-    if budget is None:
-        return _least_memory_within_one_forward(chain, method)
-    total = parse_bytes(budget)
-    held = fixed + output_held_bytes + slack_bytes
-    costs = None
-    if grad_bytes is not None:
-        costs = StepCosts(
-            persistent_bytes=fixed - sum(grad_bytes),
-            grad_bytes=tuple(grad_bytes),
-            grad_rise_bytes=tuple(grad_rise_bytes or ()),
-            optimizer_step_bytes=optimizer_step_bytes,
-            output_held_bytes=output_held_bytes,
-            input_bytes=chain.input_bytes,
-            slack_bytes=slack_bytes,
-        )
-    optimizer_phase = held + chain.input_bytes + optimizer_step_bytes
-    if optimizer_step_bytes and optimizer_phase > total:
-        least = (
-            _least_step_peak(chain, method, costs)[1]
-            if costs is not None
-            else held + _least_activation_peak(chain, method)
-        )
-        raise _optimizer_step_too_large(
-            total, max(optimizer_phase, least), method, optimizer_phase, optimizer_step_bytes
-        )
-    if costs is not None:
-        return _largest_fitting_plan(chain, costs, total, method)
-    activation_budget = total - held
-    if activation_budget <= chain.input_bytes:
-        raise BudgetTooSmallError(
-            total,
-            held + simulate(chain, make_plan(chain, method)).peak_bytes,
-            method,
-            f"parameters, gradients, buffers and optimizer state alone take "
-            f"{format_bytes(fixed)}"
-            + (
-                f" and the output the loop holds {format_bytes(output_held_bytes)}"
-                if output_held_bytes
-                else ""
-            )
-            + "; shrink them with the levers (precision, sparsity) first",
-            kind="whole-step",
-        )
-    try:
-        return make_plan(chain, method, activation_budget)
-    except BudgetTooSmallError as err:
-        raise BudgetTooSmallError(
-            total, held + err.minimum_bytes, method, "total training-step peak", kind="whole-step"
-        ) from None
+    grads = tuple(grad_bytes) if grad_bytes is not None else (0,) * chain.n
+    costs = StepCosts(
+        persistent_bytes=fixed - sum(grads),
+        grad_bytes=grads,
+        grad_rise_bytes=tuple(grad_rise_bytes or ()) if grad_bytes is not None else (),
+        optimizer_step_bytes=optimizer_step_bytes,
+        output_held_bytes=output_held_bytes,
+        input_bytes=chain.input_bytes,
+        slack_bytes=slack_bytes,
+        checkpoint_state_bytes=checkpoint_state_bytes(),
+    )
+    return plan_for_step(chain, costs, budget, method)  # type: ignore[return-value]
 
 
 def total_peak_bytes(
@@ -369,21 +324,13 @@ def total_peak_bytes(
 def chain_step_peak(
     chain: Chain, plan: Plan, costs: StepCosts, segment_state_bytes: int | None = None
 ) -> int:
-    """:func:`remat.step.step_peak` of ``plan`` on ``chain`` (the chain's simulated timeline),
-    with ``segment_state_bytes`` (default :func:`checkpoint_state_bytes`) per checkpointed
-    segment."""
+    """:func:`remat.planning.step_peak_of` of ``plan`` on ``chain``, with
+    ``segment_state_bytes`` per checkpointed segment (default: ``costs``' own
+    ``checkpoint_state_bytes`` when set, else :func:`checkpoint_state_bytes`)."""
     if segment_state_bytes is None:
-        segment_state_bytes = checkpoint_state_bytes()
-    segments = sum(1 for seg in plan.for_chain(chain).walk() if seg.checkpoint)
-    return step_peak(chain_timeline(chain, plan), costs, segments * segment_state_bytes)
-
-
-def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
-    """The simulated timeline of ``plan`` as :class:`remat.step.StepEvent` (0-based stages)."""
-    return [
-        StepEvent(e.op == "B", e.stage - 1, e.peak_bytes, e.live_bytes)
-        for e in simulate(chain, plan).timeline
-    ]
+        segment_state_bytes = costs.checkpoint_state_bytes or checkpoint_state_bytes()
+    costs = dataclasses.replace(costs, checkpoint_state_bytes=segment_state_bytes)
+    return step_peak_of(chain, plan, costs)
 
 
 def checkpoint_state_bytes() -> int:
@@ -421,112 +368,6 @@ def predicted_step_peak_bytes(
     )
 
 
-def _largest_fitting_plan(chain: Chain, costs: StepCosts, total: int, method: str) -> Plan:
-    """The plan whose whole-step peak (:func:`chain_step_peak`) fits ``total``, each candidate
-    checked exactly.
-
-    If the plan made for the activation budget ``total - costs.held_bytes`` fits, it is the
-    answer (no fitting plan keeps more activations). Otherwise the fastest fitting plan among
-    ``method``'s candidates (:func:`remat.planners.candidates`: its plans at a fixed grid of
-    activation budgets, one DP table for optimal-time, which adds the baselines' plans) and the
-    plans of a binary search on the activation budget: the step's peak is not a monotone
-    function of the activation peak (a parameter gradient made early in the backward can meet a
-    recomputation), so the largest activation budget that fits is not always the fastest plan.
-    When none fits, the least-activation plan (:func:`_least_step_peak`) is the last candidate;
-    the error names its whole-step peak, a budget this function accepts."""
-    from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError, candidates
-
-    pool: list[Plan] = []
-
-    def fits(activation_budget: int) -> Plan | None:
-        try:
-            candidate = make_plan(chain, method, activation_budget)
-        except BudgetTooSmallError:
-            return None
-        ok = chain_step_peak(chain, candidate, costs) <= total
-        if ok:
-            pool.append(candidate)
-        return candidate if ok else None
-
-    lo = max(0, total - costs.fixed_bytes)  # the safe reading
-    hi = max(lo, total - costs.held_bytes)
-    best = fits(hi)
-    if best is not None:
-        return best
-    best = fits(lo) if lo > 0 else None
-    for _ in range(30):
-        if hi - lo <= max(1, hi // 2000):
-            break
-        mid = (lo + hi) // 2
-        candidate = fits(mid)
-        if candidate is not None:
-            best, lo = candidate, mid
-        else:
-            hi = mid
-    for candidate in candidates(chain, method):
-        if chain_step_peak(chain, candidate, costs) <= total:
-            pool.append(candidate)
-    if pool:
-        timed = [(simulate(chain, p).total_time, p) for p in pool]
-        best = min(timed, key=lambda tp: tp[0])[1]
-    if best is None:
-        least, need = _least_step_peak(chain, method, costs)
-        if need <= total:
-            return least
-        output = (
-            f" and the output the loop holds {format_bytes(costs.output_held_bytes)}"
-            if costs.output_held_bytes
-            else ""
-        )
-        raise BudgetTooSmallError(
-            total,
-            need,
-            method,
-            f"parameters, buffers and optimizer state take {format_bytes(costs.persistent_bytes)}"
-            f", parameter gradients {format_bytes(sum(costs.grad_bytes))}{output}",
-            kind="whole-step",
-        )
-    return best
-
-
-def _least_step_peak(chain: Chain, method: str, costs: StepCosts) -> tuple[Plan, int]:
-    """``method``'s least-activation plan (:func:`_least_activation_peak`) and its whole-step
-    peak: a budget :func:`_largest_fitting_plan` always accepts (checkpoint RNG states, the
-    held output and the optimizer step included)."""
-    from remat.api import plan as make_plan
-    from remat.planners import least_peak
-
-    least = make_plan(chain, method, least_peak(chain, method))
-    return least, chain_step_peak(chain, least, costs)
-
-
-def _optimizer_step_too_large(
-    budget: int, minimum: int, method: str, phase: int, step_bytes: int
-) -> Exception:
-    """The error for a budget below the optimizer step (``phase`` bytes, no plan changes it)."""
-    from remat.planners import BudgetTooSmallError
-
-    return BudgetTooSmallError(
-        budget,
-        minimum,
-        method,
-        f"the optimizer step alone needs {format_bytes(phase)} (parameters, gradients, buffers, "
-        f"state, the batch and {format_bytes(step_bytes)} of its own temporaries); shrink them "
-        "with the levers (precision, sparsity) or use an optimizer with foreach=False",
-        kind="whole-step",
-    )
-
-
-def _least_activation_peak(chain: Chain, method: str) -> int:
-    """The least activation peak ``method`` reaches (time-independent for optimal-time: the
-    least peak of any nested plan); with every gradient and the fixed bytes added, a whole-step
-    budget that is always feasible."""
-    from remat.planners import least_peak
-
-    return least_peak(chain, method)
-
-
 def stage_grad_bytes(stages: Any) -> list[int]:
     """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
     stages, such as tied embeddings, is counted at the last of them: the backward reaches it
@@ -542,34 +383,6 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     return result
 
 
-def _least_memory_within_one_forward(chain: Chain, method: str) -> Plan:
-    """Binary search on the activation budget for the least peak with time <= T + 1 forward."""
-    from remat.api import plan as make_plan
-    from remat.planners import BudgetTooSmallError
-
-    store_all = make_plan(chain, "none")
-    limit = (store_all.predicted_time or 0.0) + chain.total_fwd_time()
-    high_plan = make_plan(chain, method, store_all.predicted_peak_bytes)
-    lo = 0
-    hi = high_plan.predicted_peak_bytes or 0
-    best = high_plan
-    # invariant: best fits `hi` and is within the time limit
-    for _ in range(40):
-        if hi - lo <= max(1, hi // 1000):
-            break
-        mid = (lo + hi) // 2
-        try:
-            candidate = make_plan(chain, method, mid)
-        except BudgetTooSmallError as err:
-            lo = max(mid, err.minimum_bytes - 1)
-            continue
-        if (candidate.predicted_time or 0.0) <= limit:
-            best, hi = candidate, candidate.predicted_peak_bytes or mid
-        else:
-            lo = mid
-    return best
-
-
 def _criterion_bytes(loss_fn: Any, batch: Any, captured: Any) -> int:
     """What the loop's own criterion may save beside the held output, where remat did not
     capture it (no ``loss_fn``, and no ``labels`` in a dict batch: a Hugging Face model given
@@ -578,47 +391,6 @@ def _criterion_bytes(loss_fn: Any, batch: Any, captured: Any) -> int:
     if loss_fn is not None or (isinstance(batch, Mapping) and batch.get("labels") is not None):
         return 0
     return captured.largest_output_bytes
-
-
-def _fastest_fitting_graph_plan(
-    graph: Any, costs: StepCosts, total: int, step_peak: Callable[[Any], int]
-) -> tuple[str, Any]:
-    """The fastest plan of a module graph whose whole-step peak (``step_peak``) fits ``total``
-    bytes, as ``(planner, plan)``.
-
-    Candidates: ``checkmate-milp`` for the activation budget left beside what the step always
-    holds (gradients as the backward makes them), then, only if that plan does not fit, for
-    the budget left with every gradient live all step (the safe reading) — for its own least
-    activation peak where a budget is below it; Re-forwarding's
-    least-memory plan; and the unplanned one. Each is checked exactly by ``step_peak``. When
-    none fits, the error names the least whole-step peak among them: a budget that one of these
-    plans meets is never refused, and the minimum named is accepted when passed back.
-    """
-    from remat.graphs import GraphPlan, plan_graph, simulate_graph
-    from remat.planners import BudgetTooSmallError
-
-    candidates: list[tuple[str, Any]] = []
-    for activation_budget in (total - costs.held_bytes, total - costs.fixed_bytes):
-        if activation_budget <= 0:
-            continue
-        try:
-            plan = plan_graph(graph, "checkmate-milp", activation_budget)
-        except BudgetTooSmallError as err:  # the MILP's least activation peak is a candidate
-            plan = plan_graph(graph, "checkmate-milp", err.minimum_bytes)
-        candidates.append(("checkmate-milp", plan))
-        if step_peak(plan) <= total:
-            break
-    candidates += [("reforward", plan_graph(graph, "reforward")), ("none", GraphPlan.none())]
-    fitting = [(name, plan) for name, plan in candidates if step_peak(plan) <= total]
-    if not fitting:
-        raise BudgetTooSmallError(
-            total,
-            min(step_peak(plan) for _, plan in candidates),
-            "checkmate-milp",
-            "total training-step peak (graph)",
-            kind="whole-step",
-        )
-    return min(fitting, key=lambda item: simulate_graph(graph, item[1]).total_time)
 
 
 def _auto_graph(
@@ -636,16 +408,15 @@ def _auto_graph(
     least-memory plan when it costs at most one extra forward (else the unplanned one), and run
     it with the graph executor (docs/graph-executor.md).
 
-    With a budget, the MILP first gets ``budget`` minus the parameters, buffers, optimizer
-    state and the output the loop holds (parameter gradients appear during the backward); the
-    whole step's peak of its plan is then checked exactly
-    (:func:`remat.graphs.graph_step_peak`, gradients as the backward makes them) and, if it
-    does not fit, the MILP plans again with every gradient counted as live all step (the safe
-    reading). ``fake``: captured under fake tensors (:func:`_capture_options`)."""
+    With a budget, :func:`remat.planning.plan_for_step` (the one budget search) weighs the
+    MILP's plans for the activation budget left beside what the step holds and for the safe
+    reading, Re-forwarding's least-memory plan and the unplanned one, each checked exactly
+    (gradients as the backward makes them). ``fake``: captured under fake tensors
+    (:func:`_capture_options`)."""
     import warnings
 
     from remat.capture import _model_arguments
-    from remat.graphs import GraphPlan, graph_step_peak, plan_graph, simulate_graph
+    from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
     from remat.graphs.capture import trace_graph
     from remat.graphs.runtime import apply_graph
     from remat.profile import optimizer_costs
@@ -676,35 +447,10 @@ def _auto_graph(
         """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
         graph = trace.graph
         costs = costs_of(trace)
-        held = costs.fixed_bytes  # parameters, gradients, buffers, state, held output, slack
-
-        def step_peak(plan: GraphPlan) -> int:
-            return graph_step_peak(graph, plan, costs)
-
-        unplanned = step_peak(GraphPlan.none())
+        unplanned = step_peak_of(graph, GraphPlan.none(), costs)
         total = None if spec is None else resolve_budget(spec, unplanned)
-        # the optimizer step: every gradient, the batch and the step's temporaries (no plan)
-        optimizer_phase = costs.optimizer_phase_bytes
-        if total is not None and step_bytes and optimizer_phase > total:
-            # named minimum: feasible with every gradient counted live (reforward's least peak)
-            least = simulate_graph(graph, plan_graph(graph, "reforward")).peak_bytes
-            raise _optimizer_step_too_large(
-                total,
-                max(optimizer_phase, held + least),
-                "checkmate-milp",
-                optimizer_phase,
-                step_bytes,
-            )
-        if total is None:
-            method = "reforward"
-            chosen = plan_graph(graph, method)
-            forward = sum(node.fwd_time for node in graph.nodes)
-            none_time = simulate_graph(graph, GraphPlan.none()).total_time
-            if simulate_graph(graph, chosen).total_time > none_time + forward:
-                method, chosen = "none", GraphPlan.none()
-        else:
-            method, chosen = _fastest_fitting_graph_plan(graph, costs, total, step_peak)
-        return method, chosen, total, step_peak(chosen), unplanned
+        chosen = plan_for_step(graph, costs, total)  # checkmate-milp / reforward / none
+        return chosen.method, chosen, total, step_peak_of(graph, chosen, costs), unplanned
 
     trace, options = _first_capture(
         model, fake, lambda o: trace_graph(model, batch, loss_fn=loss_fn, level="module", **o)
@@ -918,25 +664,15 @@ def auto(
             ),
             input_bytes=new.chain.input_bytes,
             slack_bytes=slack,
+            checkpoint_state_bytes=checkpoint_state_bytes(),
         )
 
     def unplanned_peak(new: Captured) -> int:
-        return chain_step_peak(new.chain, Plan.none(new.chain), costs_of(new))
+        return step_peak_of(new.chain, Plan.none(new.chain), costs_of(new))
 
     def plan_captured(new: Captured, spec: int | float | str | None) -> tuple[Plan, int | None]:
         total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
-        plan = plan_for_total_budget(
-            new.chain,
-            fixed,
-            total,
-            method,
-            grads,
-            new.grad_rise_bytes,
-            step_bytes,
-            output_held_bytes(loop, new.output_bytes, _criterion_bytes(loss_fn, batch, new)),
-            slack,
-        )
-        return plan, total
+        return plan_for_step(new.chain, costs_of(new), total, method), total  # type: ignore[return-value]
 
     chosen, total = plan_captured(captured, budget)
     spec = _replan_budget(budget, total)
@@ -984,7 +720,7 @@ def auto(
         fixed,
         sim,
         none,
-        chain_step_peak(chain, chosen, costs_of(captured)),
+        step_peak_of(chain, chosen, costs_of(captured)),
         unplanned_peak(captured),
         loop=loop,
         output_held_bytes=costs_of(captured).output_held_bytes,

@@ -84,6 +84,7 @@ from remat.costs import Chain
 from remat.guards import check_not_wrapped
 from remat.planners import BudgetTooSmallError
 from remat.plans import Plan
+from remat.step import StepCosts
 from remat.units import format_bytes, format_time, resolve_budget
 
 __all__ = [
@@ -679,35 +680,23 @@ class _Search:
         return found
 
     def evaluate(self, name: str, k: int, budget: int) -> FitCandidate:
-        """The fastest plan of this combination under ``budget`` and its least peak."""
+        """The fastest plan of this combination under ``budget`` (the one budget search,
+        :func:`remat.planning.plan_for_step`) and its least peak
+        (:func:`remat.planning.least_step_plan`: the least-activation plan made on unit times,
+        or storing everything when the executor's own bytes per checkpoint, its RNG states,
+        outweigh the activations it saves, as with tiny microbatches)."""
+        from remat.planning import least_step_plan, plan_for_step, step_peak_of
         from remat.simulate import simulate
 
         chain = self.chain(name, k)
         size = _batch_size(self.example(k))
-        persistent = self.persistent_bytes + self.batch_bytes - self._example_bytes(k)
-        grads = self.grad_bytes
-        total_grads = sum(grads)
-        all_live = k > 1 or self.optimizer is None
-
-        def peak(p: Plan) -> int:
-            return self._step_peak(chain, p, persistent, all_live, self._example_bytes(k))
-
-        # the least-activation plan, or storing everything when the executor's own bytes per
-        # checkpoint (RNG states) outweigh the activations it saves (tiny microbatches)
-        store_all = Plan.none(chain)
-        least = min((_least_memory_plan(chain), store_all), key=peak)
-        least_peak = peak(least)
+        costs = self._costs(k)
+        _, least_peak = least_step_plan(chain, costs, _METHOD)
         chosen: Plan | None = None
-        if least_peak <= budget:
-            # activation budgets between "every gradient and checkpoint overhead live at the
-            # activation peak" (safe) and "none of them" (the most any plan can use)
-            hi = budget - persistent - (total_grads if all_live else 0)
-            lo = budget - persistent - total_grads - self._checkpoint_bytes(Plan.every_stage(chain))
-            lo -= max(grads, default=0) if all_live else 0
-            chosen = _largest_fitting(chain, budget, lo, hi, peak) or least
         predicted = time_s = None
-        if chosen is not None:
-            predicted = peak(chosen)
+        if least_peak <= budget:
+            chosen = plan_for_step(chain, costs, budget, _METHOD)  # type: ignore[assignment]
+            predicted = step_peak_of(chain, chosen, costs)
             assert predicted <= budget, (predicted, budget)
             time_s = simulate(chain, chosen).total_time * k
         return FitCandidate(
@@ -718,39 +707,26 @@ class _Search:
             predicted_peak_bytes=predicted,
             predicted_time=time_s,
             min_peak_bytes=least_peak,
-            unplanned_peak_bytes=peak(store_all),
+            unplanned_peak_bytes=step_peak_of(chain, Plan.none(chain), costs),
             chain=chain,
         )
 
-    def _step_peak(
-        self, chain: Chain, p: Plan, persistent: int, all_live: bool, example_bytes: int
-    ) -> int:
-        """The whole step's peak (:func:`remat.step.step_peak`, the model auto shares):
-        ``persistent`` (state and the batch beyond the microbatch) + the gradients, as the
-        backward makes them, or all live from the start when ``all_live`` (NOTE [ Gradients
-        that accumulate ]: the second microbatch on; a step without an optimizer) + the plan's
-        activations and checkpoint RNG states; and the optimizer step. :meth:`FitSetup.step`
+    def _costs(self, k: int) -> StepCosts:
+        """What the step holds beside the activations with ``k`` microbatches
+        (:class:`remat.step.StepCosts`): the state and the batch beyond the microbatch, the
+        gradients, as the backward makes them, or all live from the start from the second
+        microbatch on and in a step without an optimizer (NOTE [ Gradients that accumulate ]),
+        the optimizer step, and the RNG states each checkpoint keeps. :meth:`FitSetup.step`
         computes the loss inside the microbatcher and keeps only it: no model output is held
         (``loop="loss-only"``)."""
-        from remat.auto import chain_timeline
-        from remat.step import StepCosts, step_peak
-
-        costs = StepCosts(
-            persistent_bytes=persistent,
+        return StepCosts(
+            persistent_bytes=self.persistent_bytes + self.batch_bytes - self._example_bytes(k),
             grad_bytes=tuple(self.grad_bytes),
             optimizer_step_bytes=self.optimizer_step_bytes,
-            input_bytes=example_bytes,
-            grads_live=all_live,
+            input_bytes=self._example_bytes(k),
+            grads_live=k > 1 or self.optimizer is None,
+            checkpoint_state_bytes=self.rng_state_bytes,
         )
-        return step_peak(chain_timeline(chain, p), costs, self._checkpoint_bytes(p))
-
-    def _checkpoint_bytes(self, p: Plan) -> int:
-        """What the executor keeps per checkpointed segment beyond the chain's tensors: the
-        RNG state saved to replay dropout (CPU generator state, plus each CUDA device's).
-        Counted for every checkpointed segment (an upper bound: nested ones only exist while
-        their parent recomputes)."""
-        segments = sum(1 for s in p.walk() if s.checkpoint)
-        return segments * self.rng_state_bytes
 
     # -------------------------------------------------------------- chains
     def example(self, k: int) -> Any:
@@ -885,55 +861,6 @@ class _Search:
         with _preserved(self.model), torch.no_grad():
             out = _call(self.model, one)
         return "mean" if isinstance(getattr(out, "loss", None), torch.Tensor) else "sum"
-
-
-def _least_memory_plan(chain: Chain) -> Plan:
-    """A plan with the least simulated activation peak, chosen without looking at the measured
-    times (the fewest recomputations at unit cost), so that the least peak a combination
-    reaches, and with it :class:`FitBudgetError`'s minimum, does not move with timing noise."""
-    from remat.api import plan as make_plan
-    from remat.planners import least_peak
-    from remat.simulate import simulate
-
-    unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
-    least = make_plan(unit, _METHOD, least_peak(chain, _METHOD))
-    least = least.made_for(chain)
-    sim = simulate(chain, least)
-    params = {**least.params, "least_memory": True}
-    return replace(least, params=params, predicted_time=sim.total_time)
-
-
-def _largest_fitting(
-    chain: Chain, budget: int, lo: int, hi: int, peak: Callable[[Plan], int]
-) -> Plan | None:
-    """The time-optimal plan for the largest activation budget in ``[lo, hi]`` whose step peak
-    (``peak``) fits ``budget``, by bisection (the optimal planner's time falls as its
-    activation budget grows); None when not even ``lo`` gives a fitting plan."""
-    from remat.api import plan as make_plan
-
-    def attempt(activations: int) -> Plan | None:
-        if activations <= 0:
-            return None
-        try:
-            candidate = make_plan(chain, _METHOD, activations)
-        except BudgetTooSmallError:
-            return None
-        return candidate if peak(candidate) <= budget else None
-
-    best = attempt(hi)
-    if best is not None:
-        return best
-    best = attempt(lo)
-    if best is None:
-        return None
-    while hi - lo > max(1, hi // 4096):
-        mid = (lo + hi) // 2
-        candidate = attempt(mid)
-        if candidate is None:
-            hi = mid
-        else:
-            best, lo = candidate, mid
-    return best
 
 
 def _choose(candidates: Sequence[FitCandidate]) -> FitCandidate | None:

@@ -108,6 +108,11 @@ class StepCosts:
     """Allocator-only bytes a real capture leaves out (the wrapped scalars of Python numbers
     below :data:`remat.measure.SCRATCH_MIN_BYTES` per operation: a few dozen bytes live at a
     loss's backward); counted all step so that a budget equal to a prediction holds."""
+    checkpoint_state_bytes: int = 0
+    """What the executor keeps per checkpointed segment until its backward (the RNG states
+    saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
+    side and passed in as a number; :func:`remat.planning.step_peak_of` counts it for every
+    checkpointed segment of a plan."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_bytes", tuple(int(b) for b in self.grad_bytes))
@@ -116,6 +121,10 @@ class StepCosts:
             raise ValueError(
                 f"grad_rise_bytes has {len(self.grad_rise_bytes)} entries, grad_bytes "
                 f"{len(self.grad_bytes)}"
+            )
+        if self.checkpoint_state_bytes < 0:
+            raise ValueError(
+                f"checkpoint_state_bytes must be >= 0, got {self.checkpoint_state_bytes}"
             )
         if self.output_held_bytes < 0:
             raise ValueError(f"output_held_bytes must be >= 0, got {self.output_held_bytes}")

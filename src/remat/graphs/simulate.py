@@ -144,15 +144,23 @@ def graph_step_peak(
     graph: Graph, plan: GraphPlan, costs: StepCosts, order: Sequence[int] | None = None
 ) -> int:
     """:func:`remat.step.step_peak` of ``plan`` over the graph's simulated timeline
-    (``costs.grad_bytes`` per node)."""
+    (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per recomputed segment,
+    nested ones included)."""
     if len(costs.grad_bytes) != graph.n:
         raise ValueError(
             f"param_grad_bytes has {len(costs.grad_bytes)} entries; the graph has {graph.n} nodes"
         )
     timeline = simulate_graph(graph, plan, order).timeline
+    segments = _count_segments(plan.segments) if costs.checkpoint_state_bytes else 0
     return step_peak(
-        (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline), costs
+        (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline),
+        costs,
+        segments * costs.checkpoint_state_bytes,
     )
+
+
+def _count_segments(segments: Sequence[GraphSegment]) -> int:
+    return sum(1 + _count_segments(s.children) for s in segments)
 
 
 def lower_plan(

@@ -1,0 +1,495 @@
+"""The planning layer (pure Python, no torch): :func:`plan`, :func:`pareto`, :func:`compare`
+for an activation budget, and :func:`plan_for_step`, **the** search for a plan whose whole
+training step fits a budget (chain or module graph), with :func:`step_peak_of` (the whole-step
+model of :mod:`remat.step` over a plan's simulated timeline). :func:`remat.auto`,
+:func:`remat.fit`, :func:`remat.distributed.auto_distributed` and the benchmarks all plan a
+whole step through :func:`plan_for_step`; ``remat.api`` re-exports this module's first half.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from remat.costs import Chain
+from remat.graphs.graph import Graph
+from remat.graphs.plan import GraphPlan
+from remat.graphs.planners import plan_graph
+from remat.graphs.simulate import graph_step_peak, simulate_graph
+from remat.planners import (
+    BudgetTooSmallError,
+    available,
+    candidates,
+    least_peak,
+    plan_chain,
+    stamp,
+    sweep,
+)
+from remat.plans import Plan
+from remat.simulate import simulate
+from remat.step import StepCosts, StepEvent, step_peak
+from remat.units import format_bytes, parse_bytes
+
+__all__ = [
+    "plan",
+    "pareto",
+    "ParetoPoint",
+    "compare",
+    "Comparison",
+    "plan_for_step",
+    "least_step_plan",
+    "step_candidates",
+    "step_peak_of",
+    "chain_timeline",
+    "DEFAULT_METHOD",
+]
+
+
+_UNSET: Any = object()
+
+
+def _activation_budget(activation_budget: Any, budget: Any, where: str) -> Any:
+    """``activation_budget``, or the deprecated ``budget=`` alias (with a DeprecationWarning)."""
+    if budget is _UNSET:
+        return activation_budget
+    if activation_budget is not None:
+        raise TypeError(f"{where} got both activation_budget= and its deprecated alias budget=")
+    warnings.warn(
+        f"{where}(budget=...) is deprecated and will be removed in the next release: use "
+        f"{where}(activation_budget=...) (the peak of the activations; budget= of remat.auto "
+        "and remat.fit is the whole training step)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return budget
+
+
+def plan(
+    chain: Chain,
+    method: str = "optimal-time",
+    activation_budget: int | float | str | None = None,
+    *,
+    budget: int | float | str | None = _UNSET,
+) -> Plan:
+    """Plan ``chain`` with the planner ``method`` under an ``activation_budget``.
+
+    ``activation_budget`` is the peak activation memory that :func:`remat.simulate` predicts
+    (bytes, a string such as ``"512MiB"``, or a percentage of the unplanned activation peak such
+    as ``"50%"``: :func:`remat.units.resolve_budget`), not the whole training step (that is
+    ``budget=`` of :func:`remat.auto` and :func:`remat.fit`); ``None`` lets the planner pick its
+    default. ``budget=`` is its deprecated alias (a DeprecationWarning). The returned plan
+    carries its simulated peak and time and the chain's fingerprint. Raises
+    :class:`~remat.planners.BudgetTooSmallError` (naming the minimum) when nothing fits.
+
+    >>> from remat import Chain
+    >>> p = plan(Chain.homogeneous(16), method="chen-sqrt")
+    >>> p.method, p.predicted_peak_bytes is not None
+    ('chen-sqrt', True)
+    """
+    activation_budget = _activation_budget(activation_budget, budget, "remat.plan")
+    if not isinstance(chain, Chain):
+        if isinstance(chain, Graph):  # the graph planners: reforward, checkmate-milp, ...
+            return plan_graph(chain, method, activation_budget)  # type: ignore[return-value]
+        raise TypeError(f"plan takes a Chain or a Graph, got {type(chain).__name__}")
+    return plan_chain(chain, method, activation_budget)
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One plan on the memory–time plane."""
+
+    method: str
+    """Planner name."""
+    budget_bytes: int | None
+    """Budget the planner was given (None: its default)."""
+    peak_bytes: int
+    """Simulated peak activation bytes."""
+    total_time: float
+    """Simulated forward + recomputation + backward time."""
+    plan: Plan
+    """The plan itself."""
+
+
+def pareto(
+    chain: Chain, methods: list[str] | None = None, num_budgets: int = 12
+) -> dict[str, list[ParetoPoint]]:
+    """Each planner's points on the memory–time plane over a sweep of budgets.
+
+    Budgets run evenly from the smallest peak any planner reached to the unplanned peak. Budget
+    planners that cannot meet a budget simply have no point there. Returns, per method, its
+    points sorted by peak with dominated points removed (that method's frontier).
+    """
+    methods = methods or available()
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    floor_points: list[ParetoPoint] = []
+    for method in methods:
+        try:
+            p = plan(chain, method)
+        except BudgetTooSmallError:
+            continue
+        floor_points.append(
+            ParetoPoint(method, None, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
+        )
+    low = min((pt.peak_bytes for pt in floor_points), default=top)
+    budgets = sorted(
+        {int(low + (top - low) * k / max(1, num_budgets - 1)) for k in range(num_budgets)}
+    )
+    result: dict[str, list[ParetoPoint]] = {}
+    for method in methods:
+        points = [pt for pt in floor_points if pt.method == method]
+        for b, p in zip(budgets, sweep(chain, method, budgets), strict=True):
+            if p is not None:
+                points.append(
+                    ParetoPoint(method, b, p.predicted_peak_bytes or 0, p.predicted_time or 0.0, p)
+                )
+        result[method] = _frontier(points)
+    return result
+
+
+def _frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
+    best: list[ParetoPoint] = []
+    for pt in sorted(points, key=lambda q: (q.peak_bytes, q.total_time)):
+        if not best or pt.total_time < best[-1].total_time:
+            best.append(pt)
+    return best
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One planner's answer for a chain, for side-by-side tables."""
+
+    method: str
+    """Planner name."""
+    peak_bytes: int | None
+    """Simulated peak activation bytes (None when the planner failed)."""
+    total_time: float | None
+    """Simulated total time (None when the planner failed)."""
+    recompute_time: float | None
+    """Simulated recomputation time."""
+    plan_seconds: float
+    """Wall time the planner took."""
+    plan: Plan | None
+    """The plan (None when the planner failed)."""
+    error: str = ""
+    """Why the planner gave no plan (e.g. the budget is below its minimum)."""
+
+
+def compare(
+    chain: Chain,
+    methods: list[str] | None = None,
+    activation_budget: int | float | str | None = None,
+    *,
+    budget: int | float | str | None = _UNSET,
+) -> list[Comparison]:
+    """Run every planner (or ``methods``) on ``chain`` at ``activation_budget``; one row each
+    (``budget=``: its deprecated alias)."""
+    import time
+
+    activation_budget = _activation_budget(activation_budget, budget, "remat.compare")
+    rows = []
+    for method in methods or available():
+        start = time.perf_counter()
+        try:
+            p = plan(chain, method, activation_budget)
+        except BudgetTooSmallError as err:
+            rows.append(
+                Comparison(method, None, None, None, time.perf_counter() - start, None, str(err))
+            )
+            continue
+        elapsed = time.perf_counter() - start
+        sim = simulate(chain, p)
+        rows.append(
+            Comparison(method, sim.peak_bytes, sim.total_time, sim.recompute_time, elapsed, p)
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------- the whole step
+DEFAULT_METHOD = {"chain": "optimal-time", "graph": "checkmate-milp"}
+"""The planner :func:`plan_for_step` uses when given none, per structure."""
+
+BISECTION_RESOLUTION = 4096
+"""The budget search bisects the activation budget down to 1/4096 of its upper end."""
+BISECTION_STEPS = 40
+"""... and at most this many times."""
+
+Structure = Chain | Graph
+AnyPlan = Plan | GraphPlan
+
+
+def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
+    """The simulated timeline of ``plan`` as :class:`remat.step.StepEvent` (0-based stages)."""
+    return [
+        StepEvent(e.op == "B", e.stage - 1, e.peak_bytes, e.live_bytes)
+        for e in simulate(chain, plan).timeline
+    ]
+
+
+def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
+    """The whole training step's peak of ``plan`` (:func:`remat.step.step_peak` over its
+    simulated timeline on a chain or a module graph), with ``costs.checkpoint_state_bytes``
+    for every checkpointed segment (nested ones included: an upper bound, a nested segment only
+    exists while its parent recomputes)."""
+    if isinstance(structure, Graph):
+        return graph_step_peak(structure, plan, costs)  # type: ignore[arg-type]
+    plan = plan.for_chain(structure)  # type: ignore[union-attr]
+    segments = (
+        sum(1 for seg in plan.walk() if seg.checkpoint) if costs.checkpoint_state_bytes else 0
+    )
+    return step_peak(
+        chain_timeline(structure, plan), costs, segments * costs.checkpoint_state_bytes
+    )
+
+
+def plan_for_step(
+    structure: Structure,
+    costs: StepCosts,
+    budget: int | str | None,
+    method: str | None = None,
+) -> AnyPlan:
+    """The plan of ``structure`` (a :class:`~remat.Chain` or a module
+    :class:`~remat.graphs.Graph`) whose whole training step fits ``budget`` bytes
+    (:func:`step_peak_of` with ``costs``), the fastest (simulated time) of the plans weighed.
+
+    ``method`` is the planner (default :data:`DEFAULT_METHOD`: ``optimal-time`` for a chain,
+    ``checkmate-milp`` for a graph). The plans weighed:
+
+    1. the planner's plan for the activation budget left beside what the step always holds
+       (``budget`` minus :attr:`~remat.step.StepCosts.held_bytes`, minus every gradient when
+       they are all live): when its step fits it is the answer (no fitting plan keeps more
+       activations);
+    2. its plan for the safe reading (every gradient counted live at the activation peak);
+       for a chain, a bisection between the two (the step's peak is
+       not a monotone function of the activation peak: a gradient made early in the backward
+       can meet a recomputation); a graph planner below its least peak plans at that least;
+    3. :func:`step_candidates`: the planner's candidates (chain: :func:`remat.planners.
+       candidates`) and the floor (:func:`least_step_plan`'s plans).
+
+    The fastest that fits is returned (ties: the first in that order). A budget below every
+    plan raises :class:`~remat.planners.BudgetTooSmallError` (``kind="whole-step"``) naming the
+    least step peak of the floor (:func:`least_step_plan`): passed back as the budget it is
+    accepted, it never exceeds the unplanned step's peak, and a budget that one
+    of :func:`step_candidates` meets is never refused.
+
+    ``budget=None``: the plan with the least activation peak whose simulated time is at most
+    the unplanned time plus one forward (chain: a bisection over ``method``'s plans; graph:
+    Re-forwarding's least-memory plan, else store everything).
+
+    Pure and deterministic: same inputs, same plan.
+    """
+    space = _Space(structure, costs, method)
+    if budget is None:
+        return space.least_memory_within_one_forward()
+    return _search(space, parse_bytes(budget))
+
+
+def least_step_plan(
+    structure: Structure, costs: StepCosts, method: str | None = None
+) -> tuple[AnyPlan, int]:
+    """The floor's plan with the least whole-step peak and that peak: a budget
+    :func:`plan_for_step` always accepts. The floor does not depend on the budget nor on the
+    measured times: a chain's is ``method``'s least-activation plan made on unit times (the
+    fewest recomputations: the minimum does not move with timing noise) and store-everything;
+    a graph's is the planner's plan at the least activation peak it names, Re-forwarding's
+    least-memory plan and store-everything."""
+    space = _Space(structure, costs, method)
+    return min(((p, space.peak(p)) for p in space.floor()), key=lambda pp: pp[1])
+
+
+def step_candidates(
+    structure: Structure, costs: StepCosts, method: str | None = None
+) -> list[AnyPlan]:
+    """The budget-independent plans :func:`plan_for_step` always weighs (step 3 there): a
+    budget that one of them meets is never refused."""
+    space = _Space(structure, costs, method)
+    return [*space.candidates(), *space.floor()]
+
+
+class _Space:
+    """The plans of one structure and planner, their step peaks and times (cached)."""
+
+    def __init__(self, structure: Structure, costs: StepCosts, method: str | None) -> None:
+        if not isinstance(structure, Chain | Graph):
+            raise TypeError(
+                f"plan_for_step takes a Chain or a Graph, got {type(structure).__name__}"
+            )
+        self.structure = structure
+        self.costs = costs
+        self.is_chain = isinstance(structure, Chain)
+        self.method = method or DEFAULT_METHOD["chain" if self.is_chain else "graph"]
+        self._peaks: dict[int, tuple[AnyPlan, int]] = {}
+        self._floor: list[AnyPlan] | None = None
+
+    # ------------------------------------------------------------------ costs
+    def peak(self, p: AnyPlan) -> int:
+        if id(p) not in self._peaks:  # the plan is kept with its peak, so its id stays unique
+            self._peaks[id(p)] = (p, step_peak_of(self.structure, p, self.costs))
+        return self._peaks[id(p)][1]
+
+    @staticmethod
+    def time(p: AnyPlan) -> float:
+        return p.predicted_time or 0.0
+
+    # ------------------------------------------------------------------ plans
+    def plan_at(self, activation_budget: int) -> AnyPlan | None:
+        """The planner's plan for ``activation_budget``; below its least peak: None for a chain
+        planner, a graph planner's least-peak plan (:meth:`graph_least`)."""
+        if activation_budget <= 0:
+            return None
+        if self.is_chain:
+            try:
+                return plan_chain(self.structure, self.method, activation_budget)  # type: ignore[arg-type]
+            except BudgetTooSmallError:
+                return None
+        try:
+            return plan_graph(self.structure, self.method, activation_budget)  # type: ignore[arg-type]
+        except BudgetTooSmallError:
+            return self.graph_least()
+
+    def graph_least(self) -> AnyPlan | None:
+        """A graph planner's plan at the least activation peak it names (None when it names
+        none it can meet)."""
+        if not hasattr(self, "_graph_least"):
+            graph: Graph = self.structure  # type: ignore[assignment]
+            found: AnyPlan | None = None
+            try:
+                found = plan_graph(graph, self.method, 1)
+            except BudgetTooSmallError as err:
+                try:
+                    found = plan_graph(graph, self.method, err.minimum_bytes)
+                except BudgetTooSmallError:
+                    found = None
+            self._graph_least = found
+        return self._graph_least
+
+    def candidates(self) -> list[AnyPlan]:
+        if self.is_chain:
+            return candidates(self.structure, self.method)  # type: ignore[arg-type]
+        return []
+
+    def floor(self) -> list[AnyPlan]:
+        if self._floor is None:
+            if self.is_chain:
+                chain: Chain = self.structure  # type: ignore[assignment]
+                self._floor = [_unit_time_least_plan(chain, self.method), plan_chain(chain, "none")]
+            else:
+                graph: Graph = self.structure  # type: ignore[assignment]
+                least = self.graph_least()
+                self._floor = [
+                    *([least] if least is not None else []),
+                    plan_graph(graph, "reforward"),
+                    plan_graph(graph, "none"),
+                ]
+        return self._floor
+
+    # ------------------------------------------------------------------ budget=None
+    def least_memory_within_one_forward(self) -> AnyPlan:
+        if not self.is_chain:
+            graph: Graph = self.structure  # type: ignore[assignment]
+            limit = simulate_graph(graph, GraphPlan.none()).total_time + sum(
+                node.fwd_time for node in graph.nodes
+            )
+            least = plan_graph(graph, "reforward")
+            return least if self.time(least) <= limit else plan_graph(graph, "none")
+        chain: Chain = self.structure  # type: ignore[assignment]
+        store_all = plan_chain(chain, "none")
+        limit = self.time(store_all) + chain.total_fwd_time()
+        best = [plan_chain(chain, self.method, store_all.predicted_peak_bytes)]
+
+        def within(activation_budget: int) -> bool:
+            found = self.plan_at(activation_budget)
+            if found is None or self.time(found) > limit:
+                return False
+            best.append(found)
+            return True
+
+        _bisect(best[0].predicted_peak_bytes or 0, 0, within)
+        return best[-1]
+
+
+def _search(space: _Space, total: int) -> AnyPlan:
+    """:func:`plan_for_step` with a budget of ``total`` bytes."""
+    costs = space.costs
+    if costs.optimizer_phase_bytes > total:
+        raise _too_small(space, total)
+    grads = sum(costs.grad_bytes)
+    hi = total - costs.held_bytes - (grads if costs.grads_live else 0)
+    first = space.plan_at(hi)
+    if first is not None and space.peak(first) <= total:
+        return first
+    fitting: list[AnyPlan] = []
+
+    def fits(activation_budget: int) -> bool:
+        found = space.plan_at(activation_budget)
+        if found is None or space.peak(found) > total:
+            return False
+        fitting.append(found)
+        return True
+
+    # the safe reading: every gradient live at the activation peak
+    lo = total - costs.fixed_bytes
+    lo -= max(costs.grad_bytes, default=0) if costs.grads_live else 0
+    if lo < hi:
+        fits(lo)
+        if space.is_chain:  # a graph planner (an MILP) is too slow to bisect
+            _bisect(max(lo, 0), hi, fits)
+    fitting += [p for p in [*space.candidates(), *space.floor()] if space.peak(p) <= total]
+    if not fitting:
+        raise _too_small(space, total)
+    return min(fitting, key=space.time)
+
+
+def _bisect(good: int, bad: int, test: Callable[[int], bool]) -> None:
+    """Bisect between ``good`` and ``bad`` (either order) with ``test`` (True: the new good
+    end) down to :data:`BISECTION_RESOLUTION` of the larger end, at most
+    :data:`BISECTION_STEPS` times; ``test`` records what it finds. The one bisection of the
+    budget search (largest fitting activation budget) and of ``budget=None`` (least activation
+    budget within one extra forward)."""
+    for _ in range(BISECTION_STEPS):
+        if abs(good - bad) <= max(1, max(good, bad) // BISECTION_RESOLUTION):
+            return
+        mid = (good + bad) // 2
+        if test(mid):
+            good = mid
+        else:
+            bad = mid
+
+
+def _unit_time_least_plan(chain: Chain, method: str) -> Plan:
+    """``method``'s least-activation plan chosen on unit times (the fewest recomputations),
+    stamped with ``chain``'s simulated cost: it, and the minimum a budget search names, do not
+    move with timing noise."""
+    unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
+    least = plan_chain(unit, method, least_peak(unit, method))
+    least = replace(least, chain_fingerprint=None, stages_fingerprint=None).for_chain(chain)
+    params = {**least.params, "least_memory": True}
+    found = stamp(replace(least, params=params), simulate(chain, least), method, None)
+    return found.made_for(chain)
+
+
+def _too_small(space: _Space, total: int) -> BudgetTooSmallError:
+    """The refusal of ``total``: the least step peak of the floor (passed back, it is
+    accepted), and why."""
+    costs = space.costs
+    minimum = min(space.peak(p) for p in space.floor())
+    if costs.optimizer_step_bytes and costs.optimizer_phase_bytes > total:
+        detail = (
+            f"the optimizer step alone needs {format_bytes(costs.optimizer_phase_bytes)} "
+            "(parameters, gradients, buffers, state, the batch and "
+            f"{format_bytes(costs.optimizer_step_bytes)} of its own temporaries); shrink them "
+            "with the levers (precision, sparsity) or use an optimizer with foreach=False"
+        )
+    else:
+        output = (
+            f" and the output the loop holds {format_bytes(costs.output_held_bytes)}"
+            if costs.output_held_bytes
+            else ""
+        )
+        detail = (
+            f"parameters, buffers and optimizer state take {format_bytes(costs.persistent_bytes)}"
+            f", parameter gradients {format_bytes(sum(costs.grad_bytes))}{output}; shrink them "
+            "with the levers (precision, sparsity) first"
+        )
+    return BudgetTooSmallError(total, minimum, space.method, detail, kind="whole-step")
