@@ -106,7 +106,6 @@ def test_plan_is_plan_chain_for_a_chain_and_simulate_refuses_other_types() -> No
 # may: a remat import belongs at the top, where the layers (and import-linter) can see it. The
 # lazy top-level ``remat/__init__.py`` is the one intended exception.
 FUNCTION_IMPORT_DEBT = {
-    "api.py",
     "auto.py",
     "bench/conformance.py",
     "bench/methods.py",
