@@ -161,6 +161,17 @@ def goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _save_partial(rows: list[dict[str, Any]]) -> None:
+    """With ``REMAT_BENCH_PARTIAL=path``, the rows measured so far go to ``path`` after every
+    point (a long CPU run stopped early keeps what it measured)."""
+    import json
+    import os
+
+    path = os.environ.get("REMAT_BENCH_PARTIAL")
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1, default=str))
+
+
 def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
     rows: list[dict[str, Any]] = []
     budgets = QUICK_COMPILE_BUDGETS if quick else COMPILE_BUDGETS
@@ -179,6 +190,7 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
             row["family"] = "torch-compile"
             row["activation_memory_budget"] = knob
             measured.append(row)
+            _save_partial(rows + measured)
         torch._dynamo.reset()
         targets: dict[int, str] = {}
         for row in measured[1:]:
@@ -214,6 +226,7 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
                 if "peak_bytes" in row:
                     row["within_budget"] = bool(row["peak_bytes"] <= budget)
                 measured.append(row)
+                _save_partial(rows + measured)
             torch._dynamo.reset()
         measured = _finish_rows(measured)
         summary = goal(measured)
