@@ -10,8 +10,10 @@ The model is cut into stages (:mod:`remat.stages`); the plan's segment tree beco
 
 This executes exactly what :func:`remat.simulate` assumes (forward counts are tested equal),
 because torch's nested checkpoint recomputes a segment by re-running its function, in which the
-inner checkpoints are respected again (NOTE [ Nestable Checkpoint ], Rule 3), and because remat
-turns torch's *early stop* off by default (``early_stop=False``; see ``docs/executor.md``).
+inner checkpoints are respected again (NOTE [ Nestable Checkpoint ], Rule 3). With torch's *early
+stop* (on by default) a recomputation ends once the tensors its backward needs exist, so the
+executor runs at most what :func:`remat.simulate` counts (an upper bound of time and memory);
+``early_stop=False`` runs exactly that (see ``docs/executor.md``).
 
 Gradients equal the unplanned model's: random number generator state is restored for every
 recomputation (dropout masks are identical), autocast state is re-entered by torch, and
@@ -282,22 +284,28 @@ class _Executor:
         # Tensors go to checkpoint as positional arguments: torch saves only those through
         # saved-tensor hooks (so an enclosing checkpoint recomputes them, Rule 2); tensors
         # nested in a tuple argument would be held by reference instead. For the same reason
-        # the function below must not capture any tensor of ``a``: the checkpoint keeps it
-        # until its backward, and an inner checkpoint's input would never be freed.
-        leaves, spec = tree_flatten(a)
+        # the function checkpointed must not capture any tensor of ``a``: the checkpoint keeps
+        # it until its backward, and an inner checkpoint's input would never be freed.
+        if isinstance(a, torch.Tensor):  # the common case: no flattening
+            tensors: list[torch.Tensor] = [a]
+            run_children = _segment_runner(self, seg.children, None, None, None)
+        else:
+            # (a plain loop, no comprehension over ``leaves``: a name a nested scope reads
+            # becomes a cell, and ``del`` of a cell is a graph break under torch.compile)
+            leaves, spec = tree_flatten(a)
+            positions: list[int] = []
+            tensors = []
+            template: list[Any] = []
+            for k, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    positions.append(k)
+                    tensors.append(leaf)
+                    template.append(None)
+                else:
+                    template.append(leaf)
+            del leaves
+            run_children = _segment_runner(self, seg.children, positions, template, spec)
         del a
-        positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        tensors = [leaves[k] for k in positions]
-        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        del leaves
-        children = seg.children
-
-        def run_children(*ts: torch.Tensor) -> Any:
-            rebuilt = list(template)
-            for k, t in zip(positions, ts, strict=True):
-                rebuilt[k] = t
-            return self._run_segments(children, tree_unflatten(rebuilt, spec))
-
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if not self.early_stop:
             options["early_stop"] = False
@@ -309,6 +317,10 @@ class _Executor:
                 return contextlib.nullcontext(), _FrozenRunningStats(norms)
 
             options["context_fn"] = context_fn
+        if torch.compiler.is_compiling():
+            # (AOTAutograd functionalizes in-place ops: the recomputation reads the values the
+            # forward read; and comparing versions would be a graph break)
+            return checkpoint(run_children, *tensors, **options)
         versions = _versions(tensors)
         out = checkpoint(run_children, *tensors, **options)
         if _versions(tensors) != versions:  # the recomputation would start from other values
@@ -381,6 +393,33 @@ class _Executor:
         return out
 
 
+def _segment_runner(
+    executor: _Executor,
+    children: Sequence[Segment],
+    positions: list[int] | None,
+    template: list[Any] | None,
+    spec: Any,
+) -> Callable[..., Any]:
+    """What a checkpointed segment runs: its children, from the segment's input tensors (and,
+    for a structured activation, the non-tensor leaves and tree structure: never a tensor).
+    A function of its own so that the checkpointing frame has no closure cells (``del`` of a
+    cell is a graph break under torch.compile)."""
+    if positions is None:
+
+        def run_one(t: torch.Tensor) -> Any:
+            return executor._run_segments(children, t)
+
+        return run_one
+
+    def run_children(*ts: torch.Tensor) -> Any:
+        rebuilt = list(template or ())
+        for k, t in zip(positions, ts, strict=True):
+            rebuilt[k] = t
+        return executor._run_segments(children, tree_unflatten(rebuilt, spec))
+
+    return run_children
+
+
 def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a remat.Plan, got {type(plan).__name__}")
@@ -419,7 +458,7 @@ class PlannedModule(nn.Module):
         stages: Stages,
         signature: tuple | None = None,
         replan: Callable[..., Plan] | None = None,
-        early_stop: bool = False,
+        early_stop: bool = True,
         compile: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -549,7 +588,7 @@ def apply(
     example: Any = None,
     *,
     replan: Callable[..., Plan] | None = None,
-    early_stop: bool = False,
+    early_stop: bool = True,
     compile: bool | Mapping[str, Any] = False,
 ) -> PlannedModule:
     """Wrap ``model`` so that its training steps run under ``plan``.
@@ -571,8 +610,11 @@ def apply(
         replan: ``replan(*args, **kwargs) -> Plan``, called for a new input signature; the
             plans are cached per signature.
         early_stop: let torch stop recomputations as soon as the saved tensors they need exist
-            (saves some recomputation that :func:`remat.simulate` counts; off by default so
-            that the executor runs exactly what the simulator predicts).
+            (torch's default, on by default since issue #19): the executor then runs at most
+            what :func:`remat.simulate` counts, never more memory or time, and as fast as
+            torch's own checkpoint at the same plan (``benchmarks/executor_overhead.py``).
+            ``False`` runs exactly what the simulator predicts (forward counts equal; the
+            tests of the cost model use it).
         compile: run each training forward (``prepare``, the stages, ``finish``) through
             ``torch.compile`` (inductor, static shapes) as one graph in which the plan's
             checkpointed segments are what is recomputed (NOTE [ Compiled plans ]); graph

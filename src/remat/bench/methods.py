@@ -151,11 +151,13 @@ def peer_methods(work: Workload, quick: bool = False) -> list[Setup]:
     return setups
 
 
-def compile_setup(work: Workload, budget: float) -> Setup:
-    """``torch.compile`` with ``torch._functorch.config.activation_memory_budget = budget``."""
+def compile_setup(work: Workload, budget: float, backend: str = "inductor") -> Setup:
+    """``torch.compile`` with ``torch._functorch.config.activation_memory_budget = budget``
+    (``backend``: torch.compile's; ``aot_eager_decomp_partition`` partitions the same way as
+    inductor, budget included, without generating code)."""
     import torch._functorch.config as functorch_config
 
-    compiled = torch.compile(work.model)
+    compiled = torch.compile(work.model, backend=backend)
 
     def context() -> Any:
         return functorch_config.patch(activation_memory_budget=budget)

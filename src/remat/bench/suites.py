@@ -480,7 +480,7 @@ def _zoo_entry(name: str, quick: bool) -> Any:
 # Suites with a module of their own (imported only when run): ``remat.bench.<name>`` defines
 # ``suite(models, quick, progress) -> rows``, ``DEFAULT_MODELS``, ``NOTES`` and, optionally,
 # ``write_report(out, result)`` for a report beyond the generic table (the papers' columns).
-OWN_MODULE_SUITES = ("reforward", "sohoni")
+OWN_MODULE_SUITES = ("reforward", "sohoni", "compile")
 
 
 def _own_module(suite: str) -> Any:

@@ -1,0 +1,336 @@
+"""``remat bench compile``: remat against ``torch.compile``'s own activation-memory knob.
+
+For every model, in one process, each point measured the same way (:func:`measure_setup`:
+exact step peak from allocator events, time as the median ratio against eager steps
+interleaved with it, gradients compared with eager's):
+
+* ``eager``: no checkpointing;
+* ``torch-compile@K``: ``torch.compile(model)`` with
+  ``torch._functorch.config.activation_memory_budget = K`` for K in 1, 0.5, 0.2, 0.1, 0;
+* ``remat-eager@M``: remat's plan for a whole-step budget M (what ``remat.auto`` plans:
+  ``optimal-time`` under :func:`remat.auto.plan_for_total_budget`), M = every distinct measured
+  peak of the compile points, plus budgets below the least of them (fractions of it and
+  remat's own least feasible budget, ``least``);
+* ``remat-compiled@M``: the same plan, compiled (:func:`compiled_remat_setup`, the one place
+  that builds it).
+
+The **goal** per model (``goal`` in ``compile.json``): at every compile point a
+``remat-compiled`` point with peak <= and time ratio <= it (``dominated``), and remat points
+below the least peak torch.compile reaches (``below_compile_min``). Time ratios of two points
+come from separate interleaved loops (each against its own eager steps), so a tie within noise
+can go either way: ``margin`` says by how much each compile point was beaten or missed.
+
+    remat bench compile --out docs/results/compile
+    remat bench compile --quick --out /tmp/compile      # the MLP chain, two compile points
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
+from remat.bench.suites import (
+    _finish_rows,
+    _grads,
+    load_workload,
+    measure_setup,
+)
+
+__all__ = [
+    "DEFAULT_MODELS",
+    "NOTES",
+    "COMPILE_BUDGETS",
+    "compiled_remat_setup",
+    "goal",
+    "suite",
+    "write_report",
+]
+
+# torch.compile's backend for every compiled point (the tests use "aot_eager_decomp_partition":
+# the same partitioner and activation_memory_budget, no C++ compilation)
+BACKEND = "inductor"
+DEFAULT_MODELS = ["mlp-chain", "gpt2", "llama-tiny", "densenet121"]
+COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.1, 0.0)
+QUICK_COMPILE_BUDGETS = (1.0, 0.0)
+# budgets below the least compile peak, as fractions of it
+BELOW_FRACTIONS: tuple[float, ...] = ()  # the full run: remat's least only (CPU time)
+QUICK_BELOW_FRACTIONS = (0.8,)
+NOTES = (
+    "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
+    "remat-eager@P / remat-compiled@P: remat's plan (optimal-time for a whole-step budget, as "
+    "remat.auto plans) at the measured peak of point P, run eagerly / under torch.compile. "
+    "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
+    "median step time / median eager step time, interleaved in the same loop."
+)
+
+
+def _options(name: str, quick: bool) -> dict[str, Any]:
+    """Model sizes: small enough that the full CPU run (about 40 compilations) fits in
+    minutes, real enough that activations dominate the step."""
+    if quick:
+        return {"mlp-chain": {"batch_size": 512, "layers": 6, "width": 128}}.get(name, {})
+    return {
+        "mlp-chain": {"batch_size": 2048, "layers": 16, "width": 256},
+        # two layers: an inductor compilation of the 4-layer zoo model took 7.5 min on the
+        # shared 2-core CPU, and a full run compiles each model about 9 times
+        "gpt2": {"batch_size": 4, "seq_len": 128, "n_layer": 2},
+        "llama-tiny": {"batch_size": 4, "seq_len": 128, "num_hidden_layers": 2},
+        "densenet121": {"batch_size": 4, "image_size": 32, "group": 2},
+    }.get(name, {})
+
+
+def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
+    """remat's plan for ``total_budget`` under ``torch.compile``: the one place that builds a
+    compiled remat point (to become ``remat.auto(..., compile=True)`` once that exists)."""
+    setup = remat_setup(work, "optimal-time", total_budget, label)
+    if setup.module is not None:
+        torch._dynamo.reset()  # a fresh compilation (PlannedModule.forward is one code object)
+        setup.module = torch.compile(setup.module, backend=BACKEND)
+        setup.notes["backend"] = BACKEND
+    return setup
+
+
+def _compile_point(work: Workload, knob: float, eager_grads: Any, repeats: int) -> dict:
+    """torch.compile at ``activation_memory_budget=knob``, compiled afresh and measured."""
+    torch._dynamo.reset()
+    try:
+        setup = compile_setup(work, knob, backend=BACKEND)
+    except Exception as err:  # pragma: no cover - reported
+        setup = Setup(f"torch-compile@{knob:g}", None, error=f"{type(err).__name__}: {err}")
+    row = measure_setup(setup, work, eager_grads, repeats)
+    row["backend"] = BACKEND
+    return row
+
+
+def _least_remat_budget(work: Workload) -> int | None:
+    """The least whole-step budget remat's optimal-time plans for (None: not known)."""
+    from remat.auto import plan_for_total_budget
+    from remat.planners import BudgetTooSmallError
+
+    try:
+        plan_for_total_budget(
+            work.chain,
+            work.fixed_bytes,
+            0,
+            "optimal-time",
+            work.grad_bytes or None,
+            work.grad_rise_bytes,
+            work.optimizer_step_bytes,
+        )
+    except BudgetTooSmallError as err:
+        return err.minimum_bytes
+    return None
+
+
+def goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Does remat compiled dominate every torch.compile point, and reach below them?"""
+    ok = [r for r in rows if "peak_bytes" in r and "time_ratio" in r]
+    compiled = [r for r in ok if r["method"].startswith("torch-compile@")]
+    remat_c = [r for r in ok if r["method"].startswith("remat-compiled@")]
+    remat_all = [r for r in ok if r["method"].startswith("remat-")]
+    points = []
+    for c in compiled:
+        fits = [r for r in remat_c if r["peak_bytes"] <= c["peak_bytes"]]
+        best = min(fits, key=lambda r: r["time_ratio"], default=None)
+        points.append(
+            {
+                "compile_point": c["method"],
+                "peak_bytes": c["peak_bytes"],
+                "time_ratio": c["time_ratio"],
+                "best_remat_compiled": best["method"] if best else None,
+                "best_time_ratio": best["time_ratio"] if best else None,
+                # > 0: remat compiled was faster by this much of an eager step
+                "margin": (c["time_ratio"] - best["time_ratio"]) if best else None,
+                "dominated": bool(best and best["time_ratio"] <= c["time_ratio"]),
+            }
+        )
+    least = min((c["peak_bytes"] for c in compiled), default=None)
+    below = [r for r in remat_all if least is not None and r["peak_bytes"] < least]
+    return {
+        "dominated_all": bool(points) and all(p["dominated"] for p in points),
+        "points": points,
+        "compile_min_peak_bytes": least,
+        "below_compile_min": bool(below),
+        "least_remat_peak_bytes": min((r["peak_bytes"] for r in remat_all), default=None),
+        "holds": bool(points) and all(p["dominated"] for p in points) and bool(below),
+    }
+
+
+def _save_partial(rows: list[dict[str, Any]]) -> None:
+    """With ``REMAT_BENCH_PARTIAL=path``, the rows measured so far go to ``path`` after every
+    point (a long CPU run stopped early keeps what it measured)."""
+    import json
+    import os
+
+    path = os.environ.get("REMAT_BENCH_PARTIAL")
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1, default=str))
+
+
+def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
+    rows: list[dict[str, Any]] = []
+    budgets = QUICK_COMPILE_BUDGETS if quick else COMPILE_BUDGETS
+    below = QUICK_BELOW_FRACTIONS if quick else BELOW_FRACTIONS
+    repeats = 3 if quick else 5
+    for name in models:
+        progress(f"{name}: capture")
+        work = load_workload(name, **_options(name, quick))
+        eager_grads = _grads(work.model, work, nullcontext)
+        measured = [
+            measure_setup(Setup("eager", work.model, family="baseline"), work, eager_grads, repeats)
+        ]
+        for knob in budgets:
+            progress(f"{name}: torch-compile@{knob:g}")
+            row = _compile_point(work, knob, eager_grads, repeats)
+            row["family"] = "torch-compile"
+            row["activation_memory_budget"] = knob
+            measured.append(row)
+            _save_partial(rows + measured)
+        torch._dynamo.reset()
+        targets: dict[int, str] = {}
+        for row in measured[1:]:
+            if "peak_bytes" in row:
+                targets.setdefault(row["peak_bytes"], row["method"].removeprefix("torch-"))
+        floor = _least_remat_budget(work)
+        if targets and floor is not None and floor < min(targets):
+            # below torch.compile's least peak: fractions of it, and remat's own least
+            least = min(targets)
+            for frac in below:
+                if int(least * frac) > floor:
+                    targets.setdefault(int(least * frac), f"{frac:g}x-compile-min")
+            targets.setdefault(floor, "least")
+        seen: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, plan) -> its row
+        for budget, label in sorted(targets.items(), reverse=True):
+            for kind in ("eager", "compiled"):
+                method = f"remat-{kind}@{label}"
+                progress(f"{name}: {method}")
+                if kind == "eager":
+                    setup = remat_setup(work, "optimal-time", budget, method)
+                else:
+                    setup = compiled_remat_setup(work, budget, method)
+                same = seen.get((kind, str(setup.notes.get("plan"))))
+                if setup.module is not None and same is not None:
+                    # the same plan at a larger budget: its measurement (one compilation less)
+                    row = {**same, "method": method, "same_plan_as": same["method"]}
+                else:
+                    row = measure_setup(setup, work, eager_grads, repeats)
+                    if "peak_bytes" in row:
+                        seen[(kind, str(setup.notes.get("plan")))] = row
+                row["family"] = f"remat-{kind}"
+                row["budget_bytes"] = budget
+                if "peak_bytes" in row:
+                    row["within_budget"] = bool(row["peak_bytes"] <= budget)
+                measured.append(row)
+                _save_partial(rows + measured)
+            torch._dynamo.reset()
+        measured = _finish_rows(measured)
+        summary = goal(measured)
+        for row in measured:
+            row["goal_holds"] = summary["holds"]
+        rows.extend(measured)
+    return rows
+
+
+# ---------------------------------------------------------------------- report
+def write_report(out: Path, result: dict[str, Any]) -> None:
+    """compile.md (tables, goal per model), compile-MODEL.png (memory-time plane)."""
+    from remat.bench.report import markdown_table
+    from remat.units import format_bytes
+
+    rows = result["rows"]
+    machine = result["machine"]
+    lines = [
+        f"# remat bench compile{' (quick)' if result.get('quick') else ''}",
+        "",
+        f"Measured {machine['date']} on {machine['device']} ({machine.get('processor')}, "
+        f"{machine.get('cpus')} CPUs, {machine['threads']} torch threads), torch "
+        f"{machine['torch']}, Python {machine['python']}; the run took "
+        f"{result['seconds']:.0f} s. {NOTES}",
+        "",
+        "Goal: at every torch.compile point a remat-compiled point with peak <= and time <= "
+        "it, and remat points below the least peak torch.compile reaches.",
+        "",
+        "| model | every compile point dominated | below compile's least peak | goal |",
+        "|---|---|---|---|",
+    ]
+    goals = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        g = goal([r for r in rows if r["model"] == model])
+        goals[model] = g
+        least = g["compile_min_peak_bytes"]
+        below = (
+            f"yes ({format_bytes(g['least_remat_peak_bytes'])} < {format_bytes(least)})"
+            if g["below_compile_min"]
+            else "no"
+        )
+        undominated = [p["compile_point"] for p in g["points"] if not p["dominated"]]
+        dom = "yes" if g["dominated_all"] else "no: " + ", ".join(undominated)
+        lines.append(f"| {model} | {dom} | {below} | {'holds' if g['holds'] else 'fails'} |")
+    lines += ["", "## Per compile point", ""]
+    lines += [
+        "| model | compile point | peak | time | best remat-compiled within it | its time | "
+        "margin |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, g in goals.items():
+        for p in g["points"]:
+            best = p["best_remat_compiled"] or "none fits"
+            bt = f"{p['best_time_ratio']:.2f}" if p["best_time_ratio"] is not None else "-"
+            mg = f"{p['margin']:+.2f}" if p["margin"] is not None else "-"
+            lines.append(
+                f"| {model} | {p['compile_point']} | {format_bytes(p['peak_bytes'])} | "
+                f"{p['time_ratio']:.2f} | {best} | {bt} | {mg} |"
+            )
+    lines += ["", "## All points", "", markdown_table(rows)]
+    (out / "compile.md").write_text("\n".join(lines) + "\n")
+    _plots(out, rows)
+
+
+def _plots(out: Path, rows: list[dict[str, Any]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - plotting is optional
+        return
+    styles = {
+        "baseline": ("k", "*", "eager"),
+        "torch-compile": ("tab:red", "s", "torch.compile @ activation_memory_budget"),
+        "remat-eager": ("tab:blue", "o", "remat eager"),
+        "remat-compiled": ("tab:green", "^", "remat compiled"),
+    }
+    for model in dict.fromkeys(r["model"] for r in rows):
+        pts = [r for r in rows if r["model"] == model and "memory_ratio" in r and "time_ratio" in r]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for family, (color, marker, label) in styles.items():
+            fam = sorted(
+                (r for r in pts if r.get("family") == family), key=lambda r: r["peak_bytes"]
+            )
+            if not fam:
+                continue
+            xs = [r["memory_ratio"] for r in fam]
+            ys = [r["time_ratio"] for r in fam]
+            ax.plot(
+                xs,
+                ys,
+                marker=marker,
+                color=color,
+                label=label,
+                linestyle="-" if len(fam) > 1 else "",
+            )
+        ax.set_xlabel("peak memory / eager peak (whole step, exact bytes)")
+        ax.set_ylabel("step time / eager step time")
+        ax.set_title(f"{model}: remat vs torch.compile's activation_memory_budget")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"compile-{model}.png", dpi=100)
+        plt.close(fig)
