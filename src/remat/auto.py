@@ -361,10 +361,17 @@ def chain_step_peak(
     """:func:`remat.step.step_peak` of ``plan`` on ``chain`` (the chain's simulated timeline),
     with ``segment_state_bytes`` (default :func:`checkpoint_state_bytes`) per checkpointed
     segment."""
+    from remat.step import segment_state_bytes as live_states
+
     if segment_state_bytes is None:
         segment_state_bytes = checkpoint_state_bytes()
-    segments = sum(1 for seg in plan.for_chain(chain).walk() if seg.checkpoint)
-    return step_peak(chain_timeline(chain, plan), costs, segments * segment_state_bytes)
+
+    def checkpoints(seg: Any) -> int:
+        return int(seg.checkpoint) + sum(checkpoints(c) for c in seg.children)
+
+    top = [(s.start - 1, checkpoints(s)) for s in plan.for_chain(chain).segments if s.checkpoint]
+    timeline = chain_timeline(chain, plan)
+    return step_peak(timeline, costs, live_states(timeline, top, segment_state_bytes))
 
 
 def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
@@ -520,9 +527,11 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
     stages, such as tied embeddings, is counted at the last of them: the backward reaches it
     first)."""
+    from remat.stages.base import grad_parameters
+
     owner: dict[int, tuple[int, int]] = {}
     for index, module in enumerate(stages.modules):
-        for p in module.parameters():
+        for p in grad_parameters(module):
             if p.requires_grad:
                 owner[id(p)] = (index, p.numel() * p.element_size())
     result = [0] * len(stages.modules)
@@ -881,7 +890,21 @@ def auto(
         )
         return plan, total
 
-    chosen, total = plan_captured(captured, budget)
+    from remat.planners import BudgetTooSmallError
+    from remat.stages.families.blocks import KIND as GENERIC_KIND
+
+    try:
+        chosen, total = plan_captured(captured, budget)
+    except BudgetTooSmallError as err:
+        if captured.stages.kind != GENERIC_KIND or stages is not None:
+            raise
+        # the generic stages (remat.stages.families.blocks) are one way to see the model: the
+        # module graph may fit a budget they do not; the error names the lower minimum
+        try:
+            why = f"its stages around a list of blocks do not fit the budget: {err}"
+            return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop)
+        except BudgetTooSmallError as graph_err:
+            raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
     spec = _replan_budget(budget, total)
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 

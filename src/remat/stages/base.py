@@ -17,7 +17,9 @@ from remat.errors import UnsupportedModelError
 SUPPORTED_HELP = (
     "remat can cut these models into stages automatically: any nn.Sequential (forward not "
     "overridden), torchvision ResNet / VGG / AlexNet / MobileNetV2 / MobileNetV3, Hugging Face "
-    "GPT2LMHeadModel, LlamaForCausalLM and MistralForCausalLM. For another model, name the stage "
+    "GPT2LMHeadModel, LlamaForCausalLM and MistralForCausalLM, and any model whose forward "
+    "runs a ModuleList or Sequential of blocks one after another (the code before and after "
+    "them as two more stages; checked on the first call). For another model, name the stage "
     "boundaries: split_stages(model, stages=['layer1', 'layer2', ...]) (or "
     "remat.apply(..., stages=[...])) with the fully-qualified names (model.named_modules()) of "
     "submodules that, applied in "
@@ -97,6 +99,14 @@ def _run_plain(stages: Stages, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 # ---------------------------------------------------------------------- helpers
+def grad_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients a stage's backward makes: ``module.parameters()``, or
+    what the stage module says (``module.grad_parameters()``: a generic stage that holds more
+    modules than its backward reaches, :mod:`remat.stages.families.blocks`)."""
+    own = getattr(module, "grad_parameters", None)
+    return list(own() if callable(own) else module.parameters())
+
+
 def items(sequence: nn.Module) -> list[tuple[str, nn.Module]]:
     """A ``Sequential``'s (or ``ModuleList``'s) children in the order its ``forward`` runs
     them, one entry per occurrence: ``named_children()`` lists a module object that appears

@@ -101,9 +101,10 @@ class _CompositionCheck:
     and the input values afterwards, so the check has no side effects.
     """
 
-    def __init__(self, model: nn.Module, holder: list[Stages]) -> None:
+    def __init__(self, model: nn.Module, holder: list[Stages], what: str | None = None) -> None:
         self.model = model
         self.holder = holder
+        self.what = what  # how the errors name the stages (default: the named stages)
         self.done = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -111,6 +112,7 @@ class _CompositionCheck:
             return
         inputs = BatchCopy((args, kwargs), snapshot=True)
         stages = self.holder[0]
+        what = self.what or f"the named stages {list(stages.names)}"
         model = self.model
         buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
         devices = sorted({b.device for b in model.parameters() if b.device.type == "cuda"}, key=str)
@@ -129,7 +131,7 @@ class _CompositionCheck:
                     got = _run_plain(stages, args, kwargs)
                 except Exception as err:
                     raise StageMismatchError(
-                        f"the named stages {list(stages.names)} cannot be run in order on the "
+                        f"{what} cannot be run in order on the "
                         f"model's input: {type(err).__name__}: {err}. " + SUPPORTED_HELP
                     ) from err
         finally:
@@ -140,7 +142,7 @@ class _CompositionCheck:
         problem = _compare_outputs(expected, got)
         if problem is not None:
             raise StageMismatchError(
-                f"the named stages {list(stages.names)} do not compute what the model computes "
+                f"{what} do not compute what the model computes "
                 f"({problem}): the model's forward does more than call these submodules in "
                 "order (functional ops such as torch.flatten, residual additions, or several "
                 "inputs). Name other boundaries (a parent module covering that code), or see: "
