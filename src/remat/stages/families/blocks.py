@@ -54,7 +54,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.stages.base import StageMismatchError, Stages, items, same_forward
+from remat.stages.base import (
+    StageMismatchError,
+    Stages,
+    _CompositionCheck,
+    items,
+    same_forward,
+)
 
 KIND = "blocks"
 _DROPPED = object()  # a tensor of a block's output other than its hidden state
@@ -102,8 +108,6 @@ def split(model: nn.Module) -> Stages | None:
         names.append("+".join(n for n, _ in g))
     modules.append(_Suffix(spec, outside, prefix))
     names.append("(after the blocks)")
-
-    from remat.stages.named import _CompositionCheck  # (named imports base only)
 
     no_cache = _takes_use_cache(model)
 
