@@ -372,9 +372,11 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
     stages, such as tied embeddings, is counted at the last of them: the backward reaches it
     first)."""
+    from remat.stages.base import grad_parameters
+
     owner: dict[int, tuple[int, int]] = {}
     for index, module in enumerate(stages.modules):
-        for p in module.parameters():
+        for p in grad_parameters(module):
             if p.requires_grad:
                 owner[id(p)] = (index, p.numel() * p.element_size())
     result = [0] * len(stages.modules)
@@ -674,7 +676,21 @@ def auto(
         total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
         return plan_for_step(new.chain, costs_of(new), total, method), total  # type: ignore[return-value]
 
-    chosen, total = plan_captured(captured, budget)
+    from remat.planners import BudgetTooSmallError
+    from remat.stages.families.blocks import KIND as GENERIC_KIND
+
+    try:
+        chosen, total = plan_captured(captured, budget)
+    except BudgetTooSmallError as err:
+        if captured.stages.kind != GENERIC_KIND or stages is not None or options is not None:
+            raise
+        # the generic stages (remat.stages.families.blocks) are one way to see the model: the
+        # module graph may fit a budget they do not; the error names the lower minimum
+        try:
+            why = f"its stages around a list of blocks do not fit the budget: {err}"
+            return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
+        except BudgetTooSmallError as graph_err:
+            raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
     spec = _replan_budget(budget, total)
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 

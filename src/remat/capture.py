@@ -373,6 +373,8 @@ def _measure_chain(
     held: list[tuple[int, int]] = []  # the model's output (what finish returns): all, largest
     x = a0
     n = split.n
+    made: list[dict[int, int]] = []  # per stage, the storages its output has that are new
+    passed: list[set[int]] = []  # per stage, every storage of its output
     bar = tqdm(total=n, desc="measuring stages", unit="stage", disable=not progress, leave=False)
     try:
         for i, module in enumerate(split.modules):
@@ -416,12 +418,29 @@ def _measure_chain(
                 raise in_place_input_error(i + 1, split.names[i])
             costs.append(cost)
             outs.append(cost.out_bytes)
+            before = _keys(_tensors(x))
+            after = _keys(_tensors(out))
+            made.append({s: b for s, b in after.items() if s not in skip and s not in before})
+            passed.append(set(after))
             x = out
             bar.update(1)
     finally:
         bar.close()
         for p in params:
             p.grad = None
+    # NOTE [ Carried tensors ]: a tensor a stage makes that every later stage passes on
+    # unchanged (an attention mask, position embeddings: the extra arguments of every block)
+    # lives to the end of the forward whatever the plan, even where the activation it was
+    # made in is dropped: counted with the input, not in that stage's output
+    carried = [0] * n
+    saved_bytes = [c.saved_bytes for c in costs]
+    for j in range(n - 2):  # passed on by stages j+2 .. n-1, to the last
+        for key, nbytes in made[j].items():
+            if all(key in later for later in passed[j + 1 : n - 1]):
+                outs[j] -= nbytes
+                saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
+                carried[j] += nbytes
+    input_bytes += sum(carried)
     bwd_overhead = []
     for i, cost in enumerate(costs):
         grad_in = outs[i - 1] if i > 0 else 0
@@ -429,7 +448,7 @@ def _measure_chain(
         # does not need is gone by then (the next stage's backward, or the end of the
         # checkpointed segment that took it as input, released it). The last stage's output
         # is the loss.
-        gone = cost.unsaved_out_bytes if i < len(costs) - 1 else 0
+        gone = max(0, cost.unsaved_out_bytes - carried[i]) if i < len(costs) - 1 else 0
         # may be negative: the backward frees saved tensors and δ[i] before its peak (Chain)
         floor = -(cost.saved_bytes + cost.out_bytes)
         bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in - gone))
@@ -437,7 +456,7 @@ def _measure_chain(
         fwd_time=[c.fwd_time for c in costs],
         bwd_time=[c.bwd_time for c in costs],
         out_bytes=outs,
-        saved_bytes=[c.saved_bytes for c in costs],
+        saved_bytes=saved_bytes,
         input_bytes=input_bytes,
         fwd_overhead_bytes=[c.fwd_overhead_bytes for c in costs],
         bwd_overhead_bytes=bwd_overhead,

@@ -27,9 +27,9 @@ from remat.planners import (
     stamp,
     sweep,
 )
-from remat.plans import Plan
+from remat.plans import Plan, Segment
 from remat.simulate import simulate
-from remat.step import StepCosts, StepEvent, step_peak
+from remat.step import StepCosts, StepEvent, segment_state_bytes, step_peak
 from remat.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -230,17 +230,22 @@ def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
 def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
     """The whole training step's peak of ``plan`` (:func:`remat.step.step_peak` over its
     simulated timeline on a chain or a module graph), with ``costs.checkpoint_state_bytes``
-    for every checkpointed segment (nested ones included: an upper bound, a nested segment only
-    exists while its parent recomputes)."""
+    for every checkpointed segment: on a chain from the top-level segment's forward to its
+    backward (:func:`remat.step.segment_state_bytes`; its nested segments counted with it, an
+    upper bound: a nested one only exists while its parent recomputes)."""
     if isinstance(structure, Graph):
         return graph_step_peak(structure, plan, costs)  # type: ignore[arg-type]
     plan = plan.for_chain(structure)  # type: ignore[union-attr]
-    segments = (
-        sum(1 for seg in plan.walk() if seg.checkpoint) if costs.checkpoint_state_bytes else 0
-    )
-    return step_peak(
-        chain_timeline(structure, plan), costs, segments * costs.checkpoint_state_bytes
-    )
+    timeline = chain_timeline(structure, plan)
+    if not costs.checkpoint_state_bytes:
+        return step_peak(timeline, costs)
+
+    def checkpoints(seg: Segment) -> int:
+        return int(seg.checkpoint) + sum(checkpoints(c) for c in seg.children)
+
+    top = [(s.start - 1, checkpoints(s)) for s in plan.segments if s.checkpoint]
+    states = segment_state_bytes(timeline, top, costs.checkpoint_state_bytes)
+    return step_peak(timeline, costs, states)
 
 
 def plan_for_step(

@@ -31,11 +31,19 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["LOOPS", "StepCosts", "StepEvent", "step_peak", "output_held_bytes", "check_loop"]
+__all__ = [
+    "LOOPS",
+    "StepCosts",
+    "StepEvent",
+    "step_peak",
+    "segment_state_bytes",
+    "output_held_bytes",
+    "check_loop",
+]
 
 LOOPS: dict[str, str] = {
     "output-held": (
@@ -145,14 +153,28 @@ class StepCosts:
         return self.fixed_bytes + self.input_bytes + self.optimizer_step_bytes
 
 
-def step_peak(timeline: Iterable[StepEvent], costs: StepCosts, checkpoint_bytes: int = 0) -> int:
+def step_peak(
+    timeline: Iterable[StepEvent], costs: StepCosts, checkpoint_bytes: int | Sequence[int] = 0
+) -> int:
     """The whole step's peak: :attr:`StepCosts.held_bytes` + ``checkpoint_bytes`` (what the
-    executor keeps per checkpointed segment, the plan's RNG states) + the parameter gradients
-    made so far + the timeline's bytes, maximised over the timeline, and the optimizer step
-    (:attr:`StepCosts.optimizer_phase_bytes`)."""
+    executor keeps per checkpointed segment, the plan's RNG states: one number for the whole
+    step, or one per event of ``timeline``, :func:`segment_state_bytes`) + the parameter
+    gradients made so far + the timeline's bytes, maximised over the timeline, and the
+    optimizer step (:attr:`StepCosts.optimizer_phase_bytes`)."""
+    timeline = list(timeline)
+    if isinstance(checkpoint_bytes, int):
+        states = [checkpoint_bytes] * len(timeline)
+    else:
+        states = list(checkpoint_bytes)
+        if len(states) != len(timeline):
+            raise ValueError(f"{len(states)} checkpoint-state entries for {len(timeline)} events")
+    timeline = [
+        e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
+        for e, b in zip(timeline, states, strict=True)
+    ]
     grads_of = costs.grad_bytes
     rise = costs.grad_rise_bytes or grads_of
-    held = costs.held_bytes + checkpoint_bytes
+    held = costs.held_bytes
     peak = 0
     if costs.grads_live:
         # NOTE [ Gradients that accumulate ]: .grad already holds every gradient; a stage's
@@ -173,3 +195,26 @@ def step_peak(timeline: Iterable[StepEvent], costs: StepCosts, checkpoint_bytes:
                 continue
             peak = max(peak, held + grads + e.peak_bytes)
     return max(peak, costs.optimizer_phase_bytes)
+
+
+def segment_state_bytes(
+    timeline: Sequence[StepEvent], segments: Sequence[tuple[int, int]], state_bytes: int
+) -> list[int]:
+    """Per event of a chain's ``timeline``, the bytes of checkpoint state live during it: a
+    checkpointed top-level segment starting at stage ``start`` (0-based) with ``count``
+    checkpointed segments in its subtree (``segments``: ``(start, count)`` pairs) keeps
+    ``count * state_bytes`` (the RNG state each checkpoint saves) from its forward to the end
+    of its stage's backward, when autograd frees the checkpoint with the segment's nodes."""
+    weight = dict(segments)
+    live = 0
+    forward = True
+    out = []
+    for e in timeline:
+        if e.backward:
+            forward = False
+        if forward and not e.backward and e.index in weight:
+            live += weight[e.index] * state_bytes
+        out.append(live)
+        if e.backward and e.index in weight:
+            live -= weight[e.index] * state_bytes
+    return out

@@ -32,6 +32,14 @@ Supported structures (detected exactly; a subclass that overrides ``forward`` is
   (``embed_tokens`` + causal mask, Mistral's sliding-window one when configured + rotary
   position embeddings, which travel in the activation tuple), each decoder layer, final
   ``norm`` + ``lm_head``; ``finish`` as for GPT-2 (one adapter serves the three).
+* any other model whose forward runs the blocks of a ``ModuleList`` or ``Sequential`` one
+  after another (:mod:`~remat.stages.families.blocks`, tried last): a prefix stage (the forward
+  up to the first block), one stage per block (plain ``Sequential`` children flattened: stages
+  of stages), a suffix stage (the forward after the last block); the extra arguments of the
+  blocks (masks, position embeddings) travel with the hidden state. Hugging Face BERT, Qwen2,
+  OPT, ViT, timm's ViT, torchvision's ConvNeXt, Swin, RegNet, EfficientNet, an
+  ``nn.Sequential`` subclass with its own forward... That the forward is such a chain is checked
+  on the first call and on every run (:class:`StageMismatchError` otherwise).
 * user-named boundaries: ``split_stages(model, ["layer1", "layer2", ...])`` with the FQNs of
   submodules whose composition in order equals the model (``"a+b"`` groups several submodules
   into one stage). The model is called with one tensor; the composition is **verified** on the
@@ -50,7 +58,8 @@ use was replaced in the model.
 The package: :mod:`~remat.stages.base` (the generic types and helpers, the ``nn.Sequential``
 splitter), :mod:`~remat.stages.named` (user-named boundaries), :mod:`~remat.stages.watch`,
 and :mod:`~remat.stages.families` (:mod:`~remat.stages.families.torchvision`,
-:mod:`~remat.stages.families.hf`; the :data:`FAMILIES` tried in order).
+:mod:`~remat.stages.families.hf`, :mod:`~remat.stages.families.blocks`; the :data:`FAMILIES`
+tried in order).
 """
 
 from __future__ import annotations

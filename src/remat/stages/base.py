@@ -5,19 +5,24 @@ splitter share. See :mod:`remat.stages` for what a stage program is.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.errors import UnsupportedModelError
+from remat.guards import BatchCopy
 
 SUPPORTED_HELP = (
     "remat can cut these models into stages automatically: any nn.Sequential (forward not "
     "overridden), torchvision ResNet / VGG / AlexNet / MobileNetV2 / MobileNetV3, Hugging Face "
-    "GPT2LMHeadModel, LlamaForCausalLM and MistralForCausalLM. For another model, name the stage "
+    "GPT2LMHeadModel, LlamaForCausalLM and MistralForCausalLM, and any model whose forward "
+    "runs a ModuleList or Sequential of blocks one after another (the code before and after "
+    "them as two more stages; checked on the first call). For another model, name the stage "
     "boundaries: split_stages(model, stages=['layer1', 'layer2', ...]) (or "
     "remat.apply(..., stages=[...])) with the fully-qualified names (model.named_modules()) of "
     "submodules that, applied in "
@@ -97,6 +102,14 @@ def _run_plain(stages: Stages, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 # ---------------------------------------------------------------------- helpers
+def grad_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients a stage's backward makes: ``module.parameters()``, or
+    what the stage module says (``module.grad_parameters()``: a generic stage that holds more
+    modules than its backward reaches, :mod:`remat.stages.families.blocks`)."""
+    own = getattr(module, "grad_parameters", None)
+    return list(own() if callable(own) else module.parameters())
+
+
 def items(sequence: nn.Module) -> list[tuple[str, nn.Module]]:
     """A ``Sequential``'s (or ``ModuleList``'s) children in the order its ``forward`` runs
     them, one entry per occurrence: ``named_children()`` lists a module object that appears
@@ -158,3 +171,99 @@ def split_sequential(model: nn.Module) -> Stages | None:
     return Stages(
         tuple(modules), tuple(names), identity_prepare, identity_finish, kind="sequential"
     )
+
+
+# ---------------------------------------------------------------------- the first-call check
+class _CompositionCheck:
+    """Verifies once, on the first inputs, that stages (user-named ones, or the generic ones
+    of :mod:`remat.stages.families.blocks`) compute ``model(x)``.
+
+    Runs both without grad, from the same RNG state and the same input values (a model may
+    write into its input), and restores the RNG state, every buffer (batch-norm statistics)
+    and the input values afterwards, so the check has no side effects.
+    """
+
+    def __init__(self, model: nn.Module, holder: list[Stages], what: str | None = None) -> None:
+        self.model = model
+        self.holder = holder
+        self.what = what  # how the errors name the stages (default: the named stages)
+        self.done = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if self.done:
+            return
+        inputs = BatchCopy((args, kwargs), snapshot=True)
+        stages = self.holder[0]
+        what = self.what or f"the named stages {list(stages.names)}"
+        model = self.model
+        buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+        devices = sorted({b.device for b in model.parameters() if b.device.type == "cuda"}, key=str)
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                state = torch.get_rng_state()
+                cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+                expected = model(*args, **kwargs)
+                for k, b in model.named_buffers():
+                    b.copy_(buffers[k])
+                torch.set_rng_state(state)
+                for d, s in zip(devices, cuda_states, strict=True):
+                    torch.cuda.set_rng_state(s, d)
+                inputs.restore()
+                try:
+                    got = _run_plain(stages, args, kwargs)
+                except Exception as err:
+                    raise StageMismatchError(
+                        f"{what} cannot be run in order on the "
+                        f"model's input: {type(err).__name__}: {err}. " + SUPPORTED_HELP
+                    ) from err
+        finally:
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(buffers[k])
+            inputs.restore()
+        problem = _compare_outputs(expected, got)
+        if problem is not None:
+            raise StageMismatchError(
+                f"{what} do not compute what the model computes "
+                f"({problem}): the model's forward does more than call these submodules in "
+                "order (functional ops such as torch.flatten, residual additions, or several "
+                "inputs). Name other boundaries (a parent module covering that code), or see: "
+                + SUPPORTED_HELP
+            )
+        self.done = True
+
+
+def _compare_outputs(expected: Any, got: Any, path: str = "output") -> str | None:
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{path}: expected a tensor, got {type(got).__name__}"
+        if expected.shape != got.shape or expected.dtype != got.dtype:
+            return (
+                f"{path}: expected {tuple(expected.shape)} {expected.dtype}, got "
+                f"{tuple(got.shape)} {got.dtype}"
+            )
+        if expected.is_floating_point() or expected.is_complex():
+            ok = torch.allclose(expected, got, rtol=1e-5, atol=1e-6, equal_nan=True)
+        else:
+            ok = torch.equal(expected, got)
+        return None if ok else f"{path}: values differ"
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(expected) != set(got):
+            return f"{path}: different keys"
+        for k in expected:
+            problem = _compare_outputs(expected[k], got[k], f"{path}[{k!r}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(expected) != len(got):
+            return f"{path}: different structure"
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+            problem = _compare_outputs(e, g, f"{path}[{i}]")
+            if problem:
+                return problem
+        return None
+    with contextlib.suppress(Exception):
+        if expected == got:
+            return None
+    return f"{path}: {expected!r} != {got!r}"

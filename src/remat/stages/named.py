@@ -8,20 +8,16 @@ once), and the composition is verified against ``model(x)`` on the first call
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
 from remat.errors import UnsupportedModelError
-from remat.guards import BatchCopy
 from remat.stages.base import (
     SUPPORTED_HELP,
     StageMismatchError,
     Stages,
-    _run_plain,
+    _CompositionCheck,
     group,
     identity_finish,
     identity_prepare,
@@ -91,95 +87,3 @@ def _check_parameters_covered(
         "'+'; a parameter of the model itself needs its code moved into a submodule), or "
         "freeze them (p.requires_grad_(False))"
     )
-
-
-class _CompositionCheck:
-    """Verifies once, on the first inputs, that the named stages compute ``model(x)``.
-
-    Runs both without grad, from the same RNG state and the same input values (a model may
-    write into its input), and restores the RNG state, every buffer (batch-norm statistics)
-    and the input values afterwards, so the check has no side effects.
-    """
-
-    def __init__(self, model: nn.Module, holder: list[Stages]) -> None:
-        self.model = model
-        self.holder = holder
-        self.done = False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        if self.done:
-            return
-        inputs = BatchCopy((args, kwargs), snapshot=True)
-        stages = self.holder[0]
-        model = self.model
-        buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-        devices = sorted({b.device for b in model.parameters() if b.device.type == "cuda"}, key=str)
-        try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                state = torch.get_rng_state()
-                cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-                expected = model(*args, **kwargs)
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
-                torch.set_rng_state(state)
-                for d, s in zip(devices, cuda_states, strict=True):
-                    torch.cuda.set_rng_state(s, d)
-                inputs.restore()
-                try:
-                    got = _run_plain(stages, args, kwargs)
-                except Exception as err:
-                    raise StageMismatchError(
-                        f"the named stages {list(stages.names)} cannot be run in order on the "
-                        f"model's input: {type(err).__name__}: {err}. " + SUPPORTED_HELP
-                    ) from err
-        finally:
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
-            inputs.restore()
-        problem = _compare_outputs(expected, got)
-        if problem is not None:
-            raise StageMismatchError(
-                f"the named stages {list(stages.names)} do not compute what the model computes "
-                f"({problem}): the model's forward does more than call these submodules in "
-                "order (functional ops such as torch.flatten, residual additions, or several "
-                "inputs). Name other boundaries (a parent module covering that code), or see: "
-                + SUPPORTED_HELP
-            )
-        self.done = True
-
-
-def _compare_outputs(expected: Any, got: Any, path: str = "output") -> str | None:
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return f"{path}: expected a tensor, got {type(got).__name__}"
-        if expected.shape != got.shape or expected.dtype != got.dtype:
-            return (
-                f"{path}: expected {tuple(expected.shape)} {expected.dtype}, got "
-                f"{tuple(got.shape)} {got.dtype}"
-            )
-        if expected.is_floating_point() or expected.is_complex():
-            ok = torch.allclose(expected, got, rtol=1e-5, atol=1e-6, equal_nan=True)
-        else:
-            ok = torch.equal(expected, got)
-        return None if ok else f"{path}: values differ"
-    if isinstance(expected, dict):
-        if not isinstance(got, dict) or set(expected) != set(got):
-            return f"{path}: different keys"
-        for k in expected:
-            problem = _compare_outputs(expected[k], got[k], f"{path}[{k!r}]")
-            if problem:
-                return problem
-        return None
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(expected) != len(got):
-            return f"{path}: different structure"
-        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
-            problem = _compare_outputs(e, g, f"{path}[{i}]")
-            if problem:
-                return problem
-        return None
-    with contextlib.suppress(Exception):
-        if expected == got:
-            return None
-    return f"{path}: {expected!r} != {got!r}"

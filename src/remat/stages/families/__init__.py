@@ -14,7 +14,7 @@ from collections.abc import Callable
 from torch import nn
 
 from remat.stages.base import Stages, split_sequential
-from remat.stages.families import hf, torchvision
+from remat.stages.families import blocks, hf, torchvision
 
 __all__ = ["FAMILIES"]
 
@@ -22,5 +22,6 @@ FAMILIES: tuple[Callable[[nn.Module], Stages | None], ...] = (
     split_sequential,
     torchvision.split,
     hf.split,
+    blocks.split,  # generic: any forward over a list of blocks (last: the others are exact)
 )
 """Tried in order; the first that returns stages wins."""
