@@ -103,18 +103,14 @@ def test_mlp_compiled_with_inductor_one_graph_equal_gradients_within_budget() ->
     assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
 
 
-@pytest.mark.parametrize("checkpoints", [[3, 6, 9], "nested"])
+@pytest.mark.parametrize("checkpoints", [[3, 6, 9], [2, 8]])
 def test_compiled_plan_recomputes_its_segments(checkpoints: Any) -> None:
     # the partitioner saves a checkpointed segment's input only: fewer saved bytes than the
-    # compiled unplanned model, and the gradients of eager; nested segments too
+    # compiled unplanned model, and the gradients of eager
     model = mlp(depth=6)
     reference = copy.deepcopy(model)
     x = torch.randn(128, 64)
-    if checkpoints == "nested":
-        inner = (Segment(3, 5), Segment(6, 8, True))
-        plan = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
-    else:
-        plan = remat.Plan.from_checkpoints(12, checkpoints)
+    plan = remat.Plan.from_checkpoints(12, checkpoints)
 
     def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(b).sum()
@@ -140,9 +136,8 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once() -> None:
     )
     reference = copy.deepcopy(model)
     x = torch.randn(2, 4, 8, 8)
-    inner = (Segment(1, 1), Segment(2, 3, True))
     planned = remat.apply(
-        model, remat.Plan((Segment(1, 3, True, inner), Segment(4, 4))), compile=PARTITIONER
+        model, remat.Plan((Segment(1, 3, True), Segment(4, 4))), compile=PARTITIONER
     )
     planned(x).sum().backward()
     assert graphs_and_breaks() == (1, 0)
@@ -261,3 +256,21 @@ def test_graph_path_refuses_compile_and_torch_compile_runs_it_eagerly() -> None:
 def test_compile_argument_is_checked() -> None:
     with pytest.raises(TypeError, match="compile must be True, False or a mapping"):
         remat.apply(mlp(depth=1), remat.Plan.none(), compile="yes")  # type: ignore[arg-type]
+
+
+def test_a_nested_plan_is_refused_under_compile_and_auto_plans_flat() -> None:
+    # torch.compile's partitioner keeps every activation of an outer checkpointed segment
+    # (tests/test_executor_overhead.py measures it): a nested plan would silently lose its
+    # savings, so apply refuses it and auto(compile=True) plans flat (hong-dp)
+    model = mlp(depth=6)
+    inner = (Segment(3, 5), Segment(6, 8, True))
+    nested = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
+    with pytest.raises(remat.PlanError, match="cannot nest checkpointed segments"):
+        remat.apply(model, nested, compile=PARTITIONER)
+    x = torch.randn(64, 64)
+    planned, summary = remat.auto(
+        model, x, loss_fn=lambda m, b: m(b).sum(), budget="60%", compile=PARTITIONER
+    )
+    assert summary.method == "hong-dp"
+    assert any(seg.checkpoint for seg in planned.plan.walk())
+    assert all(not seg.children for seg in planned.plan.walk())

@@ -262,6 +262,13 @@ class _Executor:
         self.compiled: Callable[..., Any] | None = None
         self._compiled_once = False
         if compile_options is not None:
+            nested = [seg for seg in plan.walk() if seg.checkpoint and seg.children]
+            if nested:
+                raise PlanError(
+                    f"{NESTED_UNDER_COMPILE} (segment {nested[0].start}-{nested[0].stop}); "
+                    "plan with a flat planner (remat.auto(compile=True) uses 'hong-dp'), or "
+                    "run this plan without compile"
+                )
             # one compiled function per plan: a new input signature gets its own plan and so
             # its own graph (static shapes: the plan was made for these shapes only)
             options = {"dynamic": False, **compile_options}
@@ -644,6 +651,13 @@ def apply(
         early_stop=early_stop,
         compile=compile_options(compile),
     )
+
+
+NESTED_UNDER_COMPILE = (
+    "a compiled plan cannot nest checkpointed segments: torch.compile's partitioner keeps every "
+    "activation inside the outer segment (measured on a 12-layer MLP: 14.4 activations "
+    "compiled against 9.4 eager, as many as without the nested segments)"
+)
 
 
 def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:

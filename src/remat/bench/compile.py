@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from remat.auto import FLAT_METHOD
 from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
 from remat.bench.suites import (
     _finish_rows,
@@ -85,13 +86,12 @@ def _options(name: str, quick: bool) -> dict[str, Any]:
 
 
 def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
-    """remat's plan for ``total_budget`` under ``torch.compile``: the one place that builds a
-    compiled remat point (to become ``remat.auto(..., compile=True)`` once that exists)."""
-    setup = remat_setup(work, "optimal-time", total_budget, label)
-    if setup.module is not None:
-        torch._dynamo.reset()  # a fresh compilation (PlannedModule.forward is one code object)
-        setup.module = torch.compile(setup.module, backend=BACKEND)
-        setup.notes["backend"] = BACKEND
+    """remat's plan for ``total_budget`` run with ``remat.apply(..., compile=...)``: a flat plan
+    (``hong-dp``, as ``remat.auto(compile=True)`` plans: the partitioner honours no nested
+    checkpoint) compiled as one graph whose checkpointed segments it recomputes."""
+    torch._dynamo.reset()  # a fresh compilation
+    setup = remat_setup(work, FLAT_METHOD, total_budget, label, compile={"backend": BACKEND})
+    setup.notes["backend"] = BACKEND
     return setup
 
 

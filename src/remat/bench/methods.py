@@ -171,9 +171,14 @@ def compile_setup(work: Workload, budget: float, backend: str = "inductor") -> S
 
 
 def remat_setup(
-    work: Workload, method: str, total_budget: int | None = None, label: str | None = None
+    work: Workload,
+    method: str,
+    total_budget: int | None = None,
+    label: str | None = None,
+    compile: dict[str, Any] | None = None,
 ) -> Setup:
-    """``remat.apply`` with ``method``'s plan; ``total_budget`` is the whole step's peak."""
+    """``remat.apply`` with ``method``'s plan; ``total_budget`` is the whole step's peak;
+    ``compile``: ``remat.apply``'s (torch.compile keyword arguments)."""
     from remat.api import plan as make_plan
     from remat.auto import plan_for_total_budget
     from remat.planners import BudgetTooSmallError
@@ -197,7 +202,7 @@ def remat_setup(
         return Setup(name, None, family="remat", error=str(err))
     from remat.auto import total_peak_bytes
 
-    module = apply(work.model, p, stages=work.stages)
+    module = apply(work.model, p, stages=work.stages, compile=compile or False)
     persistent = work.fixed_bytes - sum(work.grad_bytes)
     return Setup(
         name,
