@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from remat.auto import _optimal_time_candidates, total_peak_bytes  # noqa: E402
+from remat.auto import total_peak_bytes  # noqa: E402
 from remat.bench.methods import (  # noqa: E402
     Workload,  # noqa: E402
     peer_methods,
@@ -38,6 +38,7 @@ from remat.bench.methods import (  # noqa: E402
 )
 from remat.bench.suites import _model_options, load_workload, machine_info  # noqa: E402
 from remat.measure import interleaved_times, step_peak_bytes  # noqa: E402
+from remat.planners import candidates  # noqa: E402
 from remat.plans import Plan  # noqa: E402
 from remat.runtime import apply  # noqa: E402
 from remat.simulate import simulate  # noqa: E402
@@ -240,7 +241,7 @@ def _least_memory_within(work: Workload, time_ratio: float) -> tuple[Plan, float
     unplanned = simulate(chain, Plan.none(chain)).total_time
     persistent = work.fixed_bytes - sum(work.grad_bytes)
     scored = []
-    for plan in _optimal_time_candidates(chain):
+    for plan in candidates(chain, "optimal-time"):
         ratio = simulate(chain, plan).total_time / unplanned
         peak = total_peak_bytes(chain, plan, persistent, work.grad_bytes, work.grad_rise_bytes)
         scored.append((ratio, peak, plan))
