@@ -38,13 +38,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from remat.calibration import planning_device, time_model_for
+from remat.capture import _model_arguments, capture
 from remat.costs import Chain
 from remat.errors import UnsupportedModelError
+from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
+from remat.graphs.capture import trace_graph
+from remat.graphs.runtime import apply_graph
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.measure import SCRATCH_MIN_BYTES
+from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
 from remat.plans import Plan
+from remat.profile import default_loss_fn, optimizer_costs
+from remat.runtime import _describe_signature, apply, call_loss, compile_options, input_signature
 from remat.simulate import simulate
+from remat.stages.base import grad_parameters
+from remat.stages.families.blocks import KIND as GENERIC_KIND
 from remat.step import LOOPS, StepCosts, check_loop, output_held_bytes
 from remat.units import format_bytes, parse_bytes, resolve_budget
 
@@ -352,7 +362,6 @@ def predicted_step_peak_bytes(
     with an optimizer, its step's temporaries; with ``loop="output-held"`` the model output the
     loop keeps, :data:`remat.step.LOOPS`); compare it with
     :func:`remat.measure.step_peak_bytes` of the planned step."""
-    from remat.profile import optimizer_costs
 
     grads = stage_grad_bytes(captured.stages)
     persistent = fixed_bytes(model, optimizer) - sum(grads)
@@ -372,7 +381,6 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
     stages, such as tied embeddings, is counted at the last of them: the backward reaches it
     first)."""
-    from remat.stages.base import grad_parameters
 
     owner: dict[int, tuple[int, int]] = {}
     for index, module in enumerate(stages.modules):
@@ -416,13 +424,6 @@ def _auto_graph(
     (gradients as the backward makes them). ``fake``: captured under fake tensors
     (:func:`_capture_options`)."""
     import warnings
-
-    from remat.capture import _model_arguments
-    from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
-    from remat.graphs.capture import trace_graph
-    from remat.graphs.runtime import apply_graph
-    from remat.profile import optimizer_costs
-    from remat.runtime import call_loss
 
     warnings.warn(
         f"remat.auto: the model is not a chain of stages ({why.splitlines()[0]}); planning its "
@@ -539,8 +540,6 @@ def _loss_margin(
 @contextlib.contextmanager
 def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
     """A budget too small for a re-planned input shape says which shape."""
-    from remat.planners import BudgetTooSmallError
-    from remat.runtime import _describe_signature, input_signature
 
     try:
         yield
@@ -624,9 +623,6 @@ def auto(
     another backend on the eager costs (chain path only: a model planned as a module graph
     raises :class:`~remat.errors.UnsupportedModelError`).
     """
-    from remat.capture import _model_arguments, capture
-    from remat.profile import default_loss_fn, optimizer_costs
-    from remat.runtime import apply, call_loss, compile_options
 
     check_loop(loop)
     options = compile_options(compile)
@@ -686,9 +682,6 @@ def auto(
     def plan_captured(new: Captured, spec: int | float | str | None) -> tuple[Plan, int | None]:
         total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
         return plan_for_step(new.chain, costs_of(new), total, method), total  # type: ignore[return-value]
-
-    from remat.planners import BudgetTooSmallError
-    from remat.stages.families.blocks import KIND as GENERIC_KIND
 
     try:
         chosen, total = plan_captured(captured, budget)
@@ -815,7 +808,6 @@ def _capture_options(model: nn.Module, fake: bool) -> dict[str, Any]:
     device and dtype (:func:`remat.calibration.time_model_for`)."""
     if not fake:
         return {}
-    from remat.calibration import planning_device, time_model_for
 
     device, dtype = planning_device(model)
     return {"fake": True, "time_model": time_model_for(device, dtype)}

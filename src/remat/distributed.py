@@ -42,8 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
+from remat.capture import _model_arguments, capture
+from remat.costs import Chain
 from remat.guards import ORDER_HELP, WrapOrderError, check_not_wrapped
 from remat.plans import Plan, PlanError
+from remat.profile import default_loss_fn, optimizer_costs
+from remat.runtime import PlannedModule, apply
+from remat.simulate import simulate
+from remat.stages import split_stages
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -378,8 +385,6 @@ def fully_shard_planned(planned: PlannedModule, **fsdp_kwargs: Any) -> PlannedMo
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from remat.runtime import PlannedModule
-
     if not isinstance(planned, PlannedModule):
         check_not_wrapped(planned, "fully_shard_planned")
         raise TypeError(
@@ -427,14 +432,6 @@ def auto_distributed(
     """
     _require_initialized("auto_distributed")
     check_not_wrapped(model, "auto_distributed")
-
-    from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
-    from remat.capture import _model_arguments, capture
-    from remat.costs import Chain
-    from remat.profile import default_loss_fn, optimizer_costs
-    from remat.runtime import apply
-    from remat.simulate import simulate
-    from remat.stages import split_stages
 
     rank, ws = dist.get_rank(), dist.get_world_size(group)
 

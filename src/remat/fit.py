@@ -80,10 +80,27 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from remat.auto import stage_grad_bytes
+from remat.capture import _model_arguments, capture
 from remat.costs import Chain
 from remat.guards import check_not_wrapped
+from remat.levers import Precision, compress_saved_activations, magnitude_prune, make_grad_scaler
+from remat.levers.microbatch import MicroBatcher, batch_size, split_batch
+from remat.levers.sparsity import predicted_sparse_bytes
+from remat.measure import (
+    cuda_step_peak_bytes,
+    interleaved_times,
+    median_ratio,
+    step_peak_bytes,
+    unique_storage_bytes,
+)
 from remat.planners import BudgetTooSmallError
+from remat.planning import least_step_plan, plan_for_step, step_peak_of
 from remat.plans import Plan
+from remat.profile import default_loss_fn, optimizer_costs
+from remat.runtime import PlannedModule, apply
+from remat.simulate import simulate
+from remat.stages import split_stages
 from remat.step import StepCosts
 from remat.units import format_bytes, format_time, resolve_budget
 
@@ -238,7 +255,6 @@ class FitSetup:
         unscaled under fp16 loss scaling too (NOTE [ fp16 gradients without an optimizer ]).
         A batch smaller than the one fitted runs under the same plan; a larger one is refused.
         """
-        from remat.levers.microbatch import MicroBatcher
 
         state = self._require_state()
         if optimizer is not None:
@@ -406,7 +422,6 @@ class FitSetup:
         state.seen_optimizers.add(id(optimizer))
         if state.masks is not None:
             state.masks.attach(optimizer, mask_gradients=False)
-        from remat.profile import optimizer_costs
 
         needed, _ = optimizer_costs(state.base_model, optimizer)
         if needed > state.planned_state_bytes:
@@ -471,7 +486,6 @@ def fit(
     Raises:
         FitBudgetError: no combination fits; it names the smallest budget one reaches.
     """
-    from remat.runtime import PlannedModule
 
     if isinstance(model, PlannedModule):
         raise TypeError("remat.fit plans the model itself: pass planned.model, not a planned one")
@@ -558,8 +572,6 @@ def make_setup(
     """A :class:`FitSetup` for a combination you choose (no search, no prediction): ``plan``
     made for the microbatch shape, any :class:`remat.levers.Precision` (compressed saved
     activations included), ``microbatches`` per step. The prediction fields are zero."""
-    from remat.levers import Precision, make_grad_scaler
-    from remat.runtime import apply
 
     precision = precision if precision is not None else Precision()
     if not isinstance(precision, Precision):
@@ -623,8 +635,6 @@ class _Search:
         precision_factors: dict[str, float],
         masks: Any,
     ) -> None:
-        from remat.auto import stage_grad_bytes
-        from remat.stages import split_stages
 
         self.model = model
         self.batch = batch
@@ -639,7 +649,6 @@ class _Search:
         self.batch_bytes = _storage_bytes(_tensors(batch))
         self.stages = split_stages(model, stages)
         self.grad_bytes = stage_grad_bytes(self.stages)
-        from remat.profile import optimizer_costs
 
         self.optimizer_state_bytes, self.optimizer_step_bytes = optimizer_costs(model, optimizer)
         self.rng_state_bytes = _rng_state_bytes(self.device_type)
@@ -685,8 +694,6 @@ class _Search:
         (:func:`remat.planning.least_step_plan`: the least-activation plan made on unit times,
         or storing everything when the executor's own bytes per checkpoint, its RNG states,
         outweigh the activations it saves, as with tiny microbatches)."""
-        from remat.planning import least_step_plan, plan_for_step, step_peak_of
-        from remat.simulate import simulate
 
         chain = self.chain(name, k)
         size = _batch_size(self.example(k))
@@ -744,7 +751,6 @@ class _Search:
         return self._chains[key]
 
     def _capture(self, name: str, k: int) -> Chain:
-        from remat.capture import capture
 
         example = self.example(k)
         if name == "fp32":
@@ -784,10 +790,6 @@ class _Search:
         reduction: str | None,
         count: Callable[[Any], Any] | None,
     ) -> FitSetup:
-        from remat.levers import Precision, make_grad_scaler
-        from remat.levers.sparsity import predicted_sparse_bytes
-        from remat.runtime import apply
-        from remat.simulate import simulate
 
         assert chosen.plan is not None and chosen.predicted_peak_bytes is not None
         assert chosen.predicted_time is not None
@@ -876,7 +878,6 @@ def _choose(candidates: Sequence[FitCandidate]) -> FitCandidate | None:
 def _measure_step(setup: FitSetup, batch: Any, optimizer: torch.optim.Optimizer | None) -> int:
     """Peak bytes of one whole :meth:`FitSetup.step` after a warm-up step; the model, its
     gradients and buffers, the optimizer and the RNG are restored afterwards."""
-    from remat.measure import cuda_step_peak_bytes, step_peak_bytes
 
     state = setup._require_state()
     model = state.base_model
@@ -930,7 +931,6 @@ def _measure_factor(
 ) -> float:
     """Median time of a ``name`` forward+backward over an fp32 one (interleaved, after a
     warm-up of each), on ``example``; the model is left as it was."""
-    from remat.measure import interleaved_times, median_ratio
 
     def step(low: bool) -> Callable[[], None]:
         def run() -> None:
@@ -1011,7 +1011,6 @@ def _microbatch_counts(n: int, microbatches: Sequence[int] | None) -> list[int]:
 def _prune(model: nn.Module, density: float | None) -> Any:
     if density is None:
         return None
-    from remat.levers import magnitude_prune
 
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density is the fraction of weights kept, in (0, 1]; got {density}")
@@ -1020,7 +1019,6 @@ def _prune(model: nn.Module, density: float | None) -> Any:
 
 
 def _default_loss() -> LossFn:
-    from remat.profile import default_loss_fn
 
     return default_loss_fn
 
@@ -1030,13 +1028,11 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    from remat.measure import unique_storage_bytes
 
     return unique_storage_bytes(tensors)
 
 
 def _batch_size(batch: Any) -> int:
-    from remat.levers.microbatch import batch_size
 
     return batch_size(batch)
 
@@ -1046,7 +1042,6 @@ def _example_microbatch(batch: Any, k: int) -> Any:
     capture counts its bytes and not the whole batch's."""
     if k == 1:
         return batch
-    from remat.levers.microbatch import split_batch
 
     first = split_batch(batch, k)[0]
     return tree_map_only(torch.Tensor, lambda t: t.clone() if t.dim() > 0 else t, first)
@@ -1073,7 +1068,6 @@ def _autocast(name: str, device_type: str) -> contextlib.AbstractContextManager[
 def _forward_context(
     precision: Any, device_type: str, model: nn.Module, exclude: Sequence[torch.Tensor]
 ) -> Iterator[None]:
-    from remat.levers import compress_saved_activations
 
     with contextlib.ExitStack() as stack:
         if precision.compute is not None:
@@ -1107,7 +1101,6 @@ def _model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple,
     signature the plan is made for (``batch = (x, y)`` with ``model(x)`` inside the loss gives
     ``((x,), {})``). Found as the capture finds it (a stand-in model that records its call and
     stops), so the plan's signature is the one its chain was captured at."""
-    from remat.capture import _model_arguments
 
     return _model_arguments(model, loss_fn, batch)
 

@@ -33,14 +33,17 @@ from typing import Any
 
 import torch
 
-from remat.auto import FLAT_METHOD
+from remat.auto import FLAT_METHOD, plan_for_total_budget
 from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
+from remat.bench.report import markdown_table
 from remat.bench.suites import (
     _finish_rows,
     _grads,
     load_workload,
     measure_setup,
 )
+from remat.planners import BudgetTooSmallError
+from remat.units import format_bytes
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -109,8 +112,6 @@ def _compile_point(work: Workload, knob: float, eager_grads: Any, repeats: int) 
 
 def _least_remat_budget(work: Workload) -> int | None:
     """The least whole-step budget remat's optimal-time plans for (None: not known)."""
-    from remat.auto import plan_for_total_budget
-    from remat.planners import BudgetTooSmallError
 
     try:
         plan_for_total_budget(
@@ -239,8 +240,6 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
 # ---------------------------------------------------------------------- report
 def write_report(out: Path, result: dict[str, Any]) -> None:
     """compile.md (tables, goal per model), compile-MODEL.png (memory-time plane)."""
-    from remat.bench.report import markdown_table
-    from remat.units import format_bytes
 
     rows = result["rows"]
     machine = result["machine"]

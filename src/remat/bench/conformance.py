@@ -42,6 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import remat
+from remat.bench.suites import machine_info
+from remat.costs import Chain
+from remat.measure import interleaved_times, median_ratio, step_peak_bytes
+from remat.planners import BudgetTooSmallError
+from remat.stages import UnsupportedModelError
+from remat.units import format_bytes
+
 __all__ = [
     "LOOPS",
     "MODELS",
@@ -741,7 +749,6 @@ def _step_fn(loop: Loop, module: nn.Module, opt: torch.optim.Optimizer) -> Calla
 
 
 def _measure(loop: Loop, module: nn.Module, opt: torch.optim.Optimizer) -> int:
-    from remat.measure import step_peak_bytes
 
     return step_peak_bytes(_step_fn(loop, module, opt), module, opt, loop.batch)
 
@@ -761,7 +768,6 @@ def _grads_and_buffers(
 
 
 def _auto(loop: Loop, budget: int | None, opt: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
-    import remat
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -776,7 +782,6 @@ def _auto(loop: Loop, budget: int | None, opt: torch.optim.Optimizer) -> tuple[n
 
 
 def _path(summary: Any) -> str:
-    from remat.costs import Chain
 
     if isinstance(summary.chain, Chain):
         return f"chain of {summary.chain.n} stages"
@@ -785,7 +790,6 @@ def _path(summary: Any) -> str:
 
 def _least(name: str, shape: str) -> int:
     """The least total peak ``auto`` plans for (the minimum its BudgetTooSmallError names)."""
-    from remat.planners import BudgetTooSmallError
 
     loop = Loop(build(name), shape)
     try:
@@ -802,8 +806,6 @@ def eager_peak(name: str, shape: str) -> int:
 
 
 def _is_refusal(err: BaseException) -> bool:
-    from remat.planners import BudgetTooSmallError
-    from remat.stages import UnsupportedModelError
 
     return isinstance(err, UnsupportedModelError | BudgetTooSmallError | TypeError) and (
         "remat" in str(err) or "loss_fn" in str(err) or isinstance(err, BudgetTooSmallError)
@@ -885,8 +887,6 @@ def run_case(
                 f"(predicted {record.predicted_peak_bytes})"
             )
         if timed:
-            from remat.measure import interleaved_times, median_ratio
-
             eager_built = build(name)
             eager_loop = Loop(eager_built, shape)
             times = interleaved_times(
@@ -986,7 +986,6 @@ def run_model(
 
 
 def _bytes(n: int | None) -> str:
-    from remat.units import format_bytes
 
     return "-" if n is None else format_bytes(n)
 
@@ -1088,8 +1087,6 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-
-    from remat.bench.suites import machine_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")

@@ -28,6 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.api import plan as make_plan
+from remat.auto import plan_for_total_budget, total_peak_bytes
+from remat.planners import BudgetTooSmallError
+from remat.runtime import apply
+
 __all__ = ["Workload", "Setup", "peer_methods", "remat_setup", "compile_setup"]
 
 
@@ -179,10 +184,6 @@ def remat_setup(
 ) -> Setup:
     """``remat.apply`` with ``method``'s plan; ``total_budget`` is the whole step's peak;
     ``compile``: ``remat.apply``'s (torch.compile keyword arguments)."""
-    from remat.api import plan as make_plan
-    from remat.auto import plan_for_total_budget
-    from remat.planners import BudgetTooSmallError
-    from remat.runtime import apply
 
     name = label or f"remat-{method}"
     try:
@@ -200,7 +201,6 @@ def remat_setup(
             )
     except BudgetTooSmallError as err:
         return Setup(name, None, family="remat", error=str(err))
-    from remat.auto import total_peak_bytes
 
     module = apply(work.model, p, stages=work.stages, compile=compile or False)
     persistent = work.fixed_bytes - sum(work.grad_bytes)

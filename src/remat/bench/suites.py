@@ -28,7 +28,17 @@ from typing import Any
 
 import torch
 
+from remat import zoo
+from remat.api import plan as make_plan
+from remat.auto import fixed_bytes, stage_grad_bytes
 from remat.bench.methods import Setup, Workload, compile_setup, peer_methods, remat_setup
+from remat.bench.report import write_markdown, write_plots
+from remat.capture import capture, capture_chain
+from remat.measure import cuda_step_peak_bytes, interleaved_times, step_peak_bytes
+from remat.planners import available
+from remat.planners.optimal_time import min_feasible_peak
+from remat.profile import optimizer_costs
+from remat.simulate import simulate
 
 __all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "machine_info"]
 
@@ -72,10 +82,6 @@ def zoo_name(name: str) -> str:
 
 def load_workload(name: str, batch_size: int | None = None, **options: Any) -> Workload:
     """A zoo model with its capture (chain, stages) and fixed bytes (Adam)."""
-    from remat import zoo
-    from remat.auto import fixed_bytes, stage_grad_bytes
-    from remat.capture import capture
-    from remat.profile import optimizer_costs
 
     torch.manual_seed(0)
     entry = zoo.get(zoo_name(name), batch_size=batch_size, **options)
@@ -109,7 +115,6 @@ def measure_setup(
     setup: Setup, work: Workload, eager_grads: dict[str, Any] | None, repeats: int = 5
 ) -> dict[str, Any]:
     """Measure one method: exact peak, interleaved time ratio vs eager, gradient agreement."""
-    from remat.measure import interleaved_times, step_peak_bytes
 
     row: dict[str, Any] = {"model": work.name, "method": setup.method, "family": setup.family}
     row.update({k: v for k, v in setup.notes.items() if v is not None})
@@ -146,8 +151,6 @@ def measure_setup(
             step(work.model, eager_opt, nullcontext)
 
         if torch.cuda.is_available():
-            from remat.measure import cuda_step_peak_bytes
-
             row["peak_bytes"] = cuda_step_peak_bytes(step)
         else:
             row["peak_bytes"] = step_peak_bytes(step, module, opt, work.batch)
@@ -354,10 +357,6 @@ def suite_budget(models: list[str], quick: bool, progress: Callable[[str], None]
 
 def suite_chen2016(models: list[str], quick: bool, progress: Callable[[str], None]) -> list[dict]:
     """Chen et al.'s 1000-layer ResNet at ImageNet size, with fake tensors; memory vs depth."""
-    from remat import zoo
-    from remat.api import plan as make_plan
-    from remat.capture import capture_chain
-    from remat.simulate import simulate
 
     rows: list[dict[str, Any]] = []
     depths = [56, 101] if quick else [101, 200, 302, 500, 701, 1001]
@@ -380,7 +379,6 @@ def suite_chen2016(models: list[str], quick: bool, progress: Callable[[str], Non
         entry = zoo.get("resnet1001", batch_size=batch, depth=depth, image_size=image)
         chain = capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn, fake=True)
         base = simulate(chain, make_plan(chain, "none"))
-        from remat.planners.optimal_time import min_feasible_peak
 
         sqrt_peak = simulate(chain, make_plan(chain, "chen-sqrt")).peak_bytes
         budgets: dict[str, int | None] = {m: None for m in methods}
@@ -417,10 +415,6 @@ def suite_planners(models: list[str], quick: bool, progress: Callable[[str], Non
     over nested plans) on captured zoo chains: ``time_vs_optimal`` = the planner's simulated time
     / optimal-time's at the same peak; ``memory_vs_optimal`` = its peak / the least peak at
     which optimal-time is as fast."""
-    from remat.api import plan as make_plan
-    from remat.capture import capture_chain
-    from remat.planners import available
-    from remat.simulate import simulate
 
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -464,7 +458,6 @@ def suite_planners(models: list[str], quick: bool, progress: Callable[[str], Non
 
 
 def _zoo_entry(name: str, quick: bool) -> Any:
-    from remat import zoo
 
     small = {
         "mlp-chain": {"batch_size": 256},
@@ -590,7 +583,6 @@ def run_suite(
         "rows": rows,
     }
     (out / f"{suite}.json").write_text(json.dumps(rows, indent=1, default=str))
-    from remat.bench.report import write_markdown, write_plots
 
     if module is not None and hasattr(module, "write_report"):
         module.write_report(out, result)

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from remat.bench.suites import SUITES, run_suite
+
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from remat.bench.suites import SUITES
 
     p = sub.add_parser(
         "bench",
@@ -27,8 +28,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import time
-
-    from remat.bench.suites import run_suite
 
     start = time.perf_counter()
 

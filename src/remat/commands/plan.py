@@ -7,7 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from remat import zoo
 from remat.api import Comparison, compare
+from remat.calibration import planning_device, time_model_for
+from remat.capture import capture_chain
 from remat.costs import Chain
 from remat.plans import Plan
 from remat.simulate import simulate
@@ -66,13 +69,10 @@ def load_chain(source: str, batch: int | None = None, fake: bool = False) -> Cha
     if kind == "random" and rest:
         n, _, seed = rest.partition(":")
         return Chain.random(int(n), seed=int(seed) if seed else 0, max_bytes=2**20)
-    from remat import zoo
-    from remat.capture import capture_chain
 
     entry = zoo.get(source, batch_size=batch)
     if not fake:
         return capture_chain(entry.model, entry.batch, loss_fn=entry.loss_fn)
-    from remat.calibration import planning_device, time_model_for
 
     model = time_model_for(*planning_device(entry.model))
     return capture_chain(entry.model, entry.batch, entry.loss_fn, fake=True, time_model=model)

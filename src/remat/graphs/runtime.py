@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.capture import _model_arguments
 from remat.graphs.capture import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.graphs.graph import Graph
 from remat.graphs.plan import GraphPlan, GraphSegment
@@ -125,8 +126,6 @@ def apply_graph(
     plan.for_graph(graph)
     module = GraphPlannedModule(model, plan, graph, fake_trace, replan)
     if batch is not None:
-        from remat.capture import _model_arguments
-
         loss_fn = loss_fn or default_loss_fn
         args, kwargs = _model_arguments(model, loss_fn, batch)
         program = module._prepare(plan, graph, batch, loss_fn)
