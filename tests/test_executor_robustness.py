@@ -164,10 +164,25 @@ def _tiny_gpt2_subclass() -> nn.Module:
     return MyGPT2._from_config(config, attn_implementation="eager")
 
 
+@pytest.fixture
+def without_generic_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models the generic blocks family (remat.stages.families.blocks) cuts into a chain take
+    the module-graph path without it: the graph path is tested on them too."""
+    import remat.stages
+    from remat.stages.families import blocks
+
+    families = tuple(f for f in remat.stages.FAMILIES if f is not blocks.split)
+    monkeypatch.setattr(remat.stages, "FAMILIES", families)
+
+
+@pytest.mark.parametrize("path", ["graph", "chain"])
 @pytest.mark.parametrize("make", [_tiny_qwen2, _tiny_gpt2_subclass], ids=["qwen2", "gpt2"])
-def test_hf_eager_attention_on_the_graph_path(make) -> None:
+def test_hf_eager_attention_on_the_graph_path(make, path: str, request) -> None:
     """Failed with "Cannot access storage of BatchedTensorImpl": HF builds the eager mask under
-    torch.vmap, whose wrapped tensors have no storage."""
+    torch.vmap, whose wrapped tensors have no storage. (The generic blocks family now cuts both
+    into chains: the chain path is checked too.)"""
+    if path == "graph":
+        request.getfixturevalue("without_generic_blocks")
     torch.manual_seed(0)
     model = make()
     assert model.config._attn_implementation == "eager"
@@ -190,7 +205,8 @@ def test_hf_eager_attention_on_the_graph_path(make) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planned, summary = remat.auto(model, batch, budget=budget)
-    assert type(planned).__name__ == "GraphPlannedModule"
+    expected = "GraphPlannedModule" if path == "graph" else "PlannedModule"
+    assert type(planned).__name__ == expected
     assert summary.predicted_activation_peak_bytes < summary.unplanned_activation_peak_bytes
     torch.manual_seed(1)
     planned(**batch).loss.backward()
@@ -293,6 +309,7 @@ def test_batch_with_scalars_for_a_hugging_face_chain() -> None:
     assert_grads_equal(reference, model, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.usefixtures("without_generic_blocks")
 @pytest.mark.parametrize("as_dict", [False, True], ids=["args", "kwargs"])
 def test_batch_with_scalars_on_the_graph_path(as_dict: bool) -> None:
     """Failed with "Object of type <class 'float'> is not supported for tracking" (the graph

@@ -8,7 +8,7 @@ from torch import nn
 
 from remat.auto import checkpoint_state_bytes, predicted_step_peak_bytes
 from remat.capture import capture
-from remat.measure import step_peak_bytes
+from remat.measure import SCRATCH_MIN_BYTES, step_peak_bytes
 from remat.plans import Plan
 from remat.runtime import apply
 from remat.step import StepEvent, segment_state_bytes
@@ -48,4 +48,8 @@ def test_the_predicted_step_counts_only_the_states_still_held() -> None:
 
     measured = step_peak_bytes(step, planned, None, x)
     predicted = predicted_step_peak_bytes(model, captured, plan)
-    assert measured <= predicted <= measured + 2 * checkpoint_state_bytes(), (measured, predicted)
+    # auto budgets SCRATCH_MIN_BYTES beside the prediction for allocator-only scalars no capture
+    # counts (here 4 B: measured 1063880 B, predicted 1063876 B); one state too many counted
+    # would put the prediction 5 KiB above the measurement
+    assert measured <= predicted + SCRATCH_MIN_BYTES, (measured, predicted)
+    assert predicted <= measured + checkpoint_state_bytes() // 2, (measured, predicted)

@@ -207,12 +207,11 @@ def segment_state_bytes(
     of its stage's backward, when autograd frees the checkpoint with the segment's nodes."""
     weight = dict(segments)
     live = 0
-    forward = True
+    started: set[int] = set()  # once: a segment's recomputation runs its first stage again
     out = []
     for e in timeline:
-        if e.backward:
-            forward = False
-        if forward and not e.backward and e.index in weight:
+        if not e.backward and e.index in weight and e.index not in started:
+            started.add(e.index)
             live += weight[e.index] * state_bytes
         out.append(live)
         if e.backward and e.index in weight:
