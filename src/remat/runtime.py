@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -262,7 +262,11 @@ class _Executor:
         self.compiled: Callable[..., Any] | None = None
         self._compiled_once = False
         if compile_options is not None:
-            nested = [seg for seg in plan.walk() if seg.checkpoint and seg.children]
+            nested = [
+                seg
+                for seg in plan.walk()
+                if seg.checkpoint and any(c.checkpoint for c in _descendants(seg))
+            ]
             if nested:
                 raise PlanError(
                     f"{NESTED_UNDER_COMPILE} (segment {nested[0].start}-{nested[0].stop}); "
@@ -651,6 +655,12 @@ def apply(
         early_stop=early_stop,
         compile=compile_options(compile),
     )
+
+
+def _descendants(seg: Segment) -> Iterator[Segment]:
+    for child in seg.children:
+        yield child
+        yield from _descendants(child)
 
 
 NESTED_UNDER_COMPILE = (
