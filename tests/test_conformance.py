@@ -109,6 +109,32 @@ def test_auto_trains_the_model_within_the_budget_with_eager_gradients(
     assert record.peak_bytes is not None and record.peak_bytes < record.eager_peak_bytes
 
 
+# Below the generic blocks chain's least peak, auto plans the module graph (it reaches lower:
+# Qwen2 at 10% of eager, 0.650 on the graph path, 0.774 as a chain), whose capture
+# under-predicts these models: silently over budget, the open bug of #18
+GRAPH_UNDER = {
+    "peft-lora-llama": (
+        "graph path under-predicts LoRA-Llama below the chain's least peak (the capture gives "
+        "no node to activations before the first adapter): measured 337352 B at a 311138 B "
+        "budget, predicted 310164 B"
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=r))
+        for n, r in GRAPH_UNDER.items()
+    ],
+)
+def test_auto_below_the_chain_minimum_stays_within_the_budget(name: str) -> None:
+    record = run_case(name, "loss_fn", 0.1)
+    assert record.path.startswith("graph"), record.path
+    assert record.status == "pass", f"{name}: {'; '.join(record.violations)} {record.error}"
+
+
 # one model per family and path: what checkpointing every block reaches, remat must reach
 EVERY_BLOCK = {
     "hf-gpt2": ABOVE_EVERY_BLOCK,  # chain path, HF gradient checkpointing
@@ -118,6 +144,7 @@ EVERY_BLOCK = {
     "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
     "tv-convnext": None,  # graph path
     "tv-lraspp_mobilenet_v3": ABOVE_EVERY_BLOCK,
+    "hf-opt": None,  # graph path below its blocks chain's least
 }
 
 
