@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import Branchy
 from torch import nn
 
 import remat
@@ -163,21 +164,6 @@ def test_auto_replans_on_a_new_batch_shape() -> None:
     bigger = torch.randn(2 * entry.batch.shape[0], entry.batch.shape[1])
     out = planned(bigger)
     torch.testing.assert_close(out, entry.model(bigger))
-
-
-class Branchy(nn.Module):
-    """Not a chain: two branches meet in a product."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
-        self.a = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
-        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        return self.head(self.a(h) * self.b(h))
 
 
 @pytest.mark.parametrize("budget_fraction", [None, 0.8])

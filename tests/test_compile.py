@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import Branchy
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -219,21 +220,6 @@ def test_capture_counts_what_compiled_stages_save() -> None:
     assert compiled.out_bytes == eager.out_bytes
     with pytest.raises(ValueError, match="real capture"):
         capture(model, batch, fake=True, compile=PARTITIONER)
-
-
-class Branchy(nn.Module):
-    """Not a chain: two branches meet in a product (planned as a module graph)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
-        self.a = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
-        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        return self.head(self.a(h) * self.b(h))
 
 
 def test_graph_path_refuses_compile_and_torch_compile_runs_it_eagerly() -> None:

@@ -53,6 +53,13 @@ from remat.distributed import (
 from remat.stages import split_stages
 
 pytest.importorskip("transformers")
+# The ranks are forked: a process that has run a backward under fake tensors or
+# torch.compile (tests/test_fake_planning.py, tests/test_compile.py on the same xdist worker)
+# starts autograd's device threads, and its forks cannot run a backward ("Unable to handle
+# autograd's threading in combination with fork-based multiprocessing"). Each test forks from
+# an interpreter of its own.
+pytestmark = pytest.mark.fresh_process
+
 # imported here, once: the forked ranks inherit it instead of importing it twice in parallel
 import transformers.models.gpt2.modeling_gpt2  # noqa: E402, F401
 

@@ -304,11 +304,13 @@ def test_time_model_refuses_negative_or_missing_numbers() -> None:
 
 # ------------------------------------------------------------------------------ CLI
 def test_cli_plan_fake_captures_a_model_under_fake_tensors(capsys, monkeypatch) -> None:
+    import remat.commands.plan as plan_command
     from remat.cli import main
 
     seen = []
     real = calibration.time_model_for
-    monkeypatch.setattr(calibration, "time_model_for", lambda *a: seen.append(a) or real(*a))
+    # where the CLI looks it up (remat.commands.plan imports it at its top)
+    monkeypatch.setattr(plan_command, "time_model_for", lambda *a: seen.append(a) or real(*a))
     args = ["plan", "mlp-chain", "--batch", "8", "--method", "optimal-time", "--json"]
     assert main([*args, "--fake"]) == 0
     rows = json.loads(capsys.readouterr().out)

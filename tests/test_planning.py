@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import Branchy
 
 from remat.costs import Chain
 from remat.graphs import GraphPlan
@@ -205,8 +206,6 @@ def test_plan_for_step_contracts_on_captured_models() -> None:
         )
         unplanned = step_peak_of(captured.chain, Plan.none(captured.chain), costs)
         check_contracts(captured.chain, costs, [int(unplanned * f) for f in (0.5, 0.7, 0.9, 1)])
-
-    from tests.test_auto import Branchy
 
     torch.manual_seed(0)
     model = Branchy()

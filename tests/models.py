@@ -1,0 +1,21 @@
+"""Small models several test files share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    """Not a chain: two branches meet in a product (planned as a module graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.a = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) * self.b(h))
