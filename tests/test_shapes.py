@@ -310,6 +310,7 @@ def _auto_distributed_records_the_planning_batch(rank: int) -> None:
         planned(torch.randn(64, 32))
 
 
+@pytest.mark.fresh_process  # forks ranks: see tests/test_distributed.py's pytestmark
 def test_auto_distributed_records_the_planning_batch() -> None:
     from test_distributed import run_ranks
 
