@@ -25,21 +25,26 @@ def test_import_is_lean() -> None:
 
 
 def test_entry_points_survive_importing_their_submodules() -> None:
-    # `remat.profile`, `remat.capture` and `remat.fit` are functions living in submodules of
-    # the same name; importing those submodules (as remat's own code does) must not replace them
+    # `remat.profile` and `remat.fit` are functions living in submodules of the same name;
+    # importing those submodules (as remat's own code does) must not replace them. `remat.capture`
+    # is the capture package (the functions are `remat.capture_chain` / `remat.capture_graph`)
     code = (
         "import remat, types\n"
-        "from remat.profile import StepTracker\n"
-        "from remat.capture import capture_chain\n"
+        "from remat.measure.profile import StepTracker\n"
+        "from remat.capture.chain import capture_chain\n"
         "from remat.fit import fit\n"
-        "import remat.capture\n"
-        "names = ('profile', 'capture', 'fit', 'apply', 'auto', 'capture_chain')\n"
+        "import remat.measure.profile\n"
+        "names = ('profile', 'fit', 'apply', 'auto', 'capture_chain')\n"
         "print([n for n in names if isinstance(getattr(remat, n), types.ModuleType)])\n"
         "print(remat.fit is fit, remat.capture_chain is capture_chain, callable(remat.profile))\n"
-        "print(remat.zoo.__name__, remat.levers.__name__)"
+        "print(remat.zoo.__name__, remat.levers.__name__, remat.capture.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:3] == ["[]", "True True True", "remat.zoo remat.levers"]
+    assert out.stdout.split("\n")[:3] == [
+        "[]",
+        "True True True",
+        "remat.zoo remat.levers remat.capture",
+    ]
 
 
 def test_plan_stamps_prediction_and_fingerprint() -> None:
@@ -114,8 +119,8 @@ def test_cli_help_lists_commands() -> None:
 
 
 def test_plan_and_simulate_dispatch_on_graphs() -> None:
+    from remat.core.synthetic import residual_chain
     from remat.graphs import Graph, GraphPlan, simulate_graph
-    from remat.graphs.synthetic import residual_chain
 
     graph = residual_chain(4)
     assert isinstance(graph, Graph)

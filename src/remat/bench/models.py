@@ -14,7 +14,7 @@ dense layers; ``densenet_chain(m)(x) == m(x)`` (the same function of the same pa
 
     net = torchvision.models.densenet121(num_classes=10)
     chain = densenet_chain(net)  # 63 stages; densenet_chain(net, group=2): 34
-    remat.capture(chain, (images, labels), loss_fn=classification_loss)
+    remat.capture_chain(chain, (images, labels), loss_fn=classification_loss)
 
 :func:`densenet121_chain` is the ``peers`` suite's DenseNet-121 (a ``remat.zoo`` factory:
 ``zoo.get("remat.bench.models:densenet121_chain", batch_size=8, image_size=96, group=2)``), so
