@@ -432,7 +432,7 @@ def _auto_graph(
     import warnings
 
     warnings.warn(
-        f"remat.auto: the model is not a chain of stages ({why.splitlines()[0]}); planning its "
+        f"remat.auto: {why.splitlines()[0]}; planning its "
         "module graph instead (checkmate-milp / reforward, graph executor)",
         stacklevel=3,
     )
@@ -661,7 +661,8 @@ def auto(
                 "torch calls from Python and cannot be compiled: use compile=False, or name "
                 "stages= (submodule names) that split the model into a chain"
             ) from err
-        return _auto_graph(model, batch, loss_fn, budget, optimizer, str(err), loop, fake)
+        why = f"the model is not a chain of stages ({str(err).splitlines()[0]})"
+        return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
@@ -697,7 +698,10 @@ def auto(
         # the generic stages (remat.capture.stages.families.blocks) are one way to see the model: the
         # module graph may fit a budget they do not; the error names the lower minimum
         try:
-            why = f"its stages around a list of blocks do not fit the budget: {err}"
+            why = (
+                "the model's chain of stages around its list of blocks cannot meet the budget "
+                f"({str(err).splitlines()[0]})"
+            )
             return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
         except BudgetTooSmallError as graph_err:
             raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
