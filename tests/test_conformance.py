@@ -48,12 +48,6 @@ DETECTION_CALLS = (
     "forward is not deterministic in its calls'; when capture happens to succeed, the minimum "
     "auto names (87.5 MB) is above the eager step's measured peak (75.3 MB)"
 )
-DETECTION_CALLS = (
-    "Faster R-CNN in train mode: graph capture's timed step makes a different number of torch "
-    "calls than its recorded step (random proposal sampling), RuntimeError 'the model's "
-    "forward is not deterministic in its calls'; when capture happens to succeed, the minimum "
-    "auto names (87.5 MB) is above the eager step's measured peak (75.3 MB)"
-)
 FROZEN_PREFIX = (
     "graph path, LoRA, output held: measured 523464 B at a 511631 B budget (predicted "
     "499856 B): activations before the first adapter need no gradient, get no graph node, "
