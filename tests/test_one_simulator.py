@@ -52,16 +52,20 @@ CAPTURED = [("mlp-chain", False), ("resnet18", False), ("wrn-28-2", True), ("res
 
 def interpret(chain: Chain, plan: Plan):  # noqa: ANN201 (a GraphSimulation)
     """``plan`` run by the interpreter on the path graph of ``chain``."""
-    graph = Graph.from_chain(chain)
-    return run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain.n)))
+    graph = Graph.from_chain(chain)  # the chain's fingerprint: lower_plan checks the plan's
+    return run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain)))
 
 
 def assert_same_simulation(chain: Chain, plan: Plan) -> None:
     """The chain simulator and the interpreter agree on everything they report: peaks, times
     (the same floats), forward counts and every event (one type: stage ``i`` is node
-    ``i - 1``, the loss node -1), live bytes included."""
+    ``i - 1``, the loss node -1), live bytes included. And the plan is one plan: its graph
+    plan on the path graph converts back to it, every field included."""
     a, b = simulate(chain, plan), interpret(chain, plan)
     assert a == b, plan.describe()
+    graph_plan = GraphPlan.from_chain_plan(plan, chain)
+    assert GraphPlan.from_json(graph_plan.to_json()) == graph_plan
+    assert graph_plan.to_chain_plan(Graph.from_chain(chain)) == plan.for_chain(chain)
 
 
 def chain_plans(chain: Chain, method: str) -> list[Plan]:

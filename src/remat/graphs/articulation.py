@@ -42,11 +42,11 @@ from typing import Any
 
 from remat.costs import Chain
 from remat.graphs.graph import Graph
-from remat.graphs.plan import GraphPlan, GraphSegment
+from remat.graphs.plan import GraphPlan
 from remat.graphs.planners import register_graph_planner
 from remat.graphs.simulate import simulate_graph
 from remat.planners import BudgetTooSmallError, available, plan_chain
-from remat.plans import Plan, Segment
+from remat.plans import Plan
 
 __all__ = [
     "plan_articulation",
@@ -165,17 +165,7 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
 
 def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> GraphPlan:
     """The graph plan of a chain plan over blocks (stage ``k`` = ``blocks[k - 1]``)."""
-    plan = plan.for_chain(len(blocks))
-
-    def convert(segments: tuple[Segment, ...]) -> tuple[GraphSegment, ...]:
-        out = []
-        for seg in segments:
-            if seg.checkpoint:
-                nodes = tuple(v for k in range(seg.start - 1, seg.stop) for v in blocks[k])
-                out.append(GraphSegment(nodes, convert(seg.children)))
-        return tuple(out)
-
-    return GraphPlan(convert(plan.segments), method=plan.method, params=dict(plan.params))
+    return GraphPlan.from_chain_plan(plan, blocks=blocks)
 
 
 @register_graph_planner("articulation")

@@ -28,8 +28,9 @@ source that reads only the graph input (or nothing). **The outputs are the sinks
 no other node reads. The loss reads them and produces one gradient per sink. A tensor that is
 both returned and used later is modelled with an extra zero-cost identity sink.
 
-A path graph is exactly a :class:`~remat.costs.Chain` (:meth:`Graph.from_chain`), and
-simulates exactly like it (``tests/test_graph_core.py``).
+A path graph is exactly a :class:`~remat.costs.Chain` (:meth:`Graph.from_chain`, back with
+:meth:`Graph.to_chain`), has the chain's fingerprint (so a plan made for the chain is checked
+against its path graph and back), and simulates exactly like it (``tests/test_one_simulator.py``).
 
 Example:
     >>> g = Graph(
@@ -52,12 +53,10 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from remat.costs import Chain
 from remat.schema import read_schema
-
-if TYPE_CHECKING:
-    from remat.costs import Chain
 
 __all__ = ["Node", "Graph", "GRAPH_SCHEMA_VERSION"]
 
@@ -203,8 +202,11 @@ class Graph:
                     )
                 consumers[u].append(v)
         set_(self, "_consumers", tuple(tuple(c) for c in consumers))
-        digest = hashlib.sha256(self._canonical().encode()).hexdigest()[:16]
-        set_(self, "_fingerprint", digest)
+        if self.is_chain():  # one cost model: a chain's path graph has the chain's fingerprint
+            set_(self, "_fingerprint", self.to_chain().fingerprint)
+        else:
+            digest = hashlib.sha256(self._canonical().encode()).hexdigest()[:16]
+            set_(self, "_fingerprint", digest)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -224,6 +226,27 @@ class Graph:
             for i in range(chain.n)
         ]
         return cls(tuple(nodes), input_bytes=chain.input_bytes, time_unit=chain.time_unit)
+
+    def to_chain(self) -> Chain:
+        """The chain whose path graph this is (:meth:`from_chain` back; :meth:`is_chain`)."""
+        if not self.is_chain():
+            raise ValueError(
+                "not a chain: a chain's path graph has node v read node v - 1 only, each "
+                "backward reading its input and keeping its output (saved_inputs, keeps_output "
+                "at their defaults)"
+            )
+        nodes = self.nodes
+        return Chain(
+            fwd_time=tuple(node.fwd_time for node in nodes),
+            bwd_time=tuple(node.bwd_time for node in nodes),
+            out_bytes=tuple(node.out_bytes for node in nodes),
+            saved_bytes=tuple(node.saved_bytes for node in nodes),
+            input_bytes=self.input_bytes,
+            fwd_overhead_bytes=tuple(node.fwd_overhead_bytes for node in nodes),
+            bwd_overhead_bytes=tuple(node.bwd_overhead_bytes for node in nodes),
+            names=tuple(node.name for node in nodes),
+            time_unit=self.time_unit,
+        )
 
     @classmethod
     def from_edges(
@@ -255,7 +278,8 @@ class Graph:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the costs and edges (names excluded): plans record it."""
+        """A short hash of the costs and edges (names excluded): plans record it. A chain's
+        path graph (:meth:`is_chain`) has the chain's :attr:`~remat.costs.Chain.fingerprint`."""
         return self._fingerprint
 
     def consumers(self, v: int) -> tuple[int, ...]:
@@ -275,6 +299,14 @@ class Graph:
     def is_path(self) -> bool:
         """True when node ``v`` reads exactly node ``v - 1`` (a chain)."""
         return all(node.inputs == ((v - 1,) if v else ()) for v, node in enumerate(self.nodes))
+
+    def is_chain(self) -> bool:
+        """True when this is the path graph of a :class:`~remat.costs.Chain`
+        (:meth:`from_chain`): a path whose backwards read their input and keep their output,
+        as the chain model assumes."""
+        return self.is_path() and all(
+            node.keeps_output and node.backward_inputs == node.inputs for node in self.nodes
+        )
 
     def edges(self) -> list[tuple[int, int]]:
         """Every ``(producer, consumer)`` pair."""
