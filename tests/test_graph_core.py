@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import remat
 from remat import Chain, Plan, Segment, simulate
+from remat.core.plan import PlanError
+from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
     GraphPlan,
@@ -27,9 +29,7 @@ from remat.graphs import (
     run_schedule,
     simulate_graph,
 )
-from remat.graphs.synthetic import inception_block, random_dag, residual_chain
 from remat.planners import BudgetTooSmallError
-from remat.plans import PlanError
 
 # ---------------------------------------------------------------------------- helpers
 
