@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import remat
 from remat import Chain, Plan, Segment, simulate
+from remat.core.plan import PlanError
 from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
@@ -329,3 +331,68 @@ def test_plan_graph_entry_point() -> None:
         plan_graph(g, "none", budget=60)
     with pytest.raises(ValueError, match="unknown graph planner 'nope'"):
         plan_graph(g, "nope")
+
+
+def test_a_chain_plan_and_its_path_graph_plan_are_one_plan() -> None:
+    """``GraphPlan.from_chain_plan`` / ``to_chain_plan`` carry every field both ways (the path
+    graph has the chain's fingerprint), so a plan is checked against the chain or its path graph
+    alike and comes back equal (every planner's plans: tests/test_one_simulator.py)."""
+    chain = replace(Chain.random(6, seed=3, negative_bwd_overheads=True), stages_fingerprint="s1")
+    graph = Graph.from_chain(chain)
+    assert graph.is_chain() and graph.fingerprint == chain.fingerprint
+    assert graph.to_chain() == replace(chain, stages_fingerprint="")
+    plan = remat.plan(chain, "optimal-time", simulate(chain, Plan.none(chain)).peak_bytes * 3 // 4)
+    assert plan.depth() >= 1 and plan.stages_fingerprint == "s1"
+    graph_plan = GraphPlan.from_chain_plan(plan, chain)
+    assert graph_plan.graph_fingerprint == graph.fingerprint
+    assert graph_plan.stages_fingerprint == "s1"
+    assert (graph_plan.predicted_peak_bytes, graph_plan.predicted_time) == (
+        plan.predicted_peak_bytes,
+        plan.predicted_time,
+    )
+    assert simulate_graph(graph, graph_plan).peak_bytes == plan.predicted_peak_bytes
+    assert GraphPlan.from_json(graph_plan.to_json()) == graph_plan
+    assert graph_plan.to_chain_plan(graph) == graph_plan.to_chain_plan(chain.n) == plan
+    other = Graph.from_chain(Chain.random(6, seed=4))
+    for use in (graph_plan.for_graph, graph_plan.to_chain_plan):
+        with pytest.raises(GraphPlanError, match="re-plan"):
+            use(other)
+    with pytest.raises(PlanError, match="re-plan"):
+        GraphPlan.from_chain_plan(plan, other)
+    # and from the graph side: contiguous (nested) plans of the path graph come back equal
+    rng = random.Random(0)
+    for _ in range(20):
+        back = GraphPlan.from_chain_plan(random_chain_plan(chain.n, rng), chain)
+        stamped = replace(back, predicted_peak_bytes=7, predicted_time=1.5, method="m")
+        assert GraphPlan.from_chain_plan(stamped.to_chain_plan(graph), graph) == stamped
+    # rule plans: Plan.none() is the plan with no segment either way; every-stage needs n
+    assert GraphPlan.from_chain_plan(Plan.none()) == GraphPlan.none()
+    assert GraphPlan.none().to_chain_plan() == Plan.none()
+    assert GraphPlan.none().to_chain_plan(graph) == Plan.none(chain)
+    with pytest.raises(GraphPlanError, match="needs the chain"):
+        GraphPlan.from_chain_plan(Plan.every_stage())
+    every = GraphPlan.from_chain_plan(Plan.every_stage(), chain)
+    assert every.to_chain_plan(chain.n) == Plan.every_stage(chain)
+    # stored segments side by side run as one: they come back merged
+    split = Plan((Segment(1, 2), Segment(3, 6)))
+    assert GraphPlan.from_chain_plan(split, chain).to_chain_plan(6).segments == (Segment(1, 6),)
+    # a graph plan file written before stages_fingerprint reads as before
+    data = json.loads(GraphPlan.from_segments([[0, 1]]).to_json())
+    del data["stages_fingerprint"]
+    assert GraphPlan.from_json(json.dumps(data)) == GraphPlan.from_segments([[0, 1]])
+
+
+def test_only_a_chains_path_graph_is_a_chain() -> None:
+    chain = Chain.random(3, seed=0)
+    nodes = Graph.from_chain(chain).nodes
+    for changed in (
+        replace(nodes[1], keeps_output=False),
+        replace(nodes[1], saved_inputs=()),
+        replace(nodes[1], inputs=()),
+    ):
+        graph = Graph((nodes[0], changed, nodes[2]))
+        assert not graph.is_chain() and graph.fingerprint != chain.fingerprint
+        with pytest.raises(ValueError, match="not a chain"):
+            graph.to_chain()
+    same = Graph((nodes[0], replace(nodes[1], saved_inputs=(0,)), nodes[2]), chain.input_bytes)
+    assert same.is_chain() and same.fingerprint == chain.fingerprint  # saved_inputs = all

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -344,9 +345,24 @@ def test_cut_points_definition() -> None:
         assert cut_points(g) == expected
 
 
-@given(st.integers(0, 10**6))
-def test_block_chain_bounds_every_mapped_plan(seed: int) -> None:
+def with_negative_bwd_overheads(graph: Graph, seed: int) -> Graph:
+    """``graph`` with each backward overhead drawn between its floor (a backward that frees
+    all it holds before its peak) and its value: what measured costs carry."""
+    rng = random.Random(seed)
+    nodes = tuple(
+        replace(
+            node, bwd_overhead_bytes=rng.randint(node.bwd_overhead_floor, node.bwd_overhead_bytes)
+        )
+        for node in graph.nodes
+    )
+    return Graph(nodes, input_bytes=graph.input_bytes)
+
+
+@given(st.integers(0, 10**6), st.booleans())
+def test_block_chain_bounds_every_mapped_plan(seed: int, negative: bool) -> None:
     graph = random_block_graph(seed)
+    if negative:
+        graph = with_negative_bwd_overheads(graph, seed)
     chain, blocks = block_chain(graph)
     assert sorted(v for b in blocks for v in b) == list(range(graph.n))
     rng = random.Random(seed)
@@ -356,6 +372,16 @@ def test_block_chain_bounds_every_mapped_plan(seed: int) -> None:
         on_graph = simulate_graph(graph, chain_plan_to_graph(plan, blocks))
         assert on_graph.peak_bytes <= on_chain.peak_bytes
         assert on_graph.total_time == pytest.approx(on_chain.total_time)
+
+
+def test_the_block_chain_of_a_chains_path_graph_is_the_chain() -> None:
+    """One node per block: the aggregates are the chain's own costs, negative backward
+    overheads included (they were clamped to 0, a looser bound than the chain itself)."""
+    for seed in range(10):
+        chain = Chain.random(2 + seed, seed=seed, negative_bwd_overheads=True)
+        blocks_chain, blocks = block_chain(Graph.from_chain(chain))
+        assert blocks == [[v] for v in range(chain.n)]
+        assert replace(blocks_chain, names=chain.names) == chain
 
 
 def test_articulation_planner() -> None:

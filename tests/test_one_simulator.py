@@ -7,13 +7,15 @@ below the chain planners while it lives in the ``graphs`` package, which holds g
 that use them). These tests make it provably the same simulator: on random chains, for every
 registered chain planner (the registries are read at collection time, so a new planner is
 covered without touching this file), the chain simulator and the interpreter on the path graph
-agree on the peak, the times and the whole event sequence, live bytes included. Every graph
+agree on the peak, the times and the whole event sequence, live bytes included; so they do on
+chains captured from zoo models, whose negative backward overheads the path graph carries. Every graph
 planner's plans are checked the same way against the interpreter run on their own schedule.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +23,8 @@ from hypothesis import strategies as st
 from nested_plans import nested_plans
 
 import remat.core.simulate as graphs_simulate
-from remat import Chain, Plan, simulate
+from remat import Chain, Plan, simulate, zoo
+from remat.capture.chain import capture_chain
 from remat.core.errors import InfeasibleScheduleError, RematError, UnsupportedModelError
 from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
@@ -37,20 +40,32 @@ from remat.planners import BudgetTooSmallError, available, least_peak, plan_chai
 
 CHAIN_PLANNERS = available()
 GRAPH_PLANNERS = available_graph_planners()
+DATA = Path(__file__).parent / "data"
+SMALL_ZOO = {
+    "mlp-chain": dict(layers=3, width=32, batch_size=4),
+    "resnet18": dict(image_size=32, batch_size=2),
+    "wrn-28-2": dict(batch_size=2),
+    "resnet1001": dict(depth=14, image_size=64, num_classes=10, width=8, batch_size=2),
+}
+CAPTURED = [("mlp-chain", False), ("resnet18", False), ("wrn-28-2", True), ("resnet1001", True)]
 
 
 def interpret(chain: Chain, plan: Plan):  # noqa: ANN201 (a GraphSimulation)
     """``plan`` run by the interpreter on the path graph of ``chain``."""
-    graph = Graph.from_chain(chain)
-    return run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain.n)))
+    graph = Graph.from_chain(chain)  # the chain's fingerprint: lower_plan checks the plan's
+    return run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain)))
 
 
 def assert_same_simulation(chain: Chain, plan: Plan) -> None:
     """The chain simulator and the interpreter agree on everything they report: peaks, times
     (the same floats), forward counts and every event (one type: stage ``i`` is node
-    ``i - 1``, the loss node -1), live bytes included."""
+    ``i - 1``, the loss node -1), live bytes included. And the plan is one plan: its graph
+    plan on the path graph converts back to it, every field included."""
     a, b = simulate(chain, plan), interpret(chain, plan)
     assert a == b, plan.describe()
+    graph_plan = GraphPlan.from_chain_plan(plan, chain)
+    assert GraphPlan.from_json(graph_plan.to_json()) == graph_plan
+    assert graph_plan.to_chain_plan(Graph.from_chain(chain)) == plan.for_chain(chain)
 
 
 def chain_plans(chain: Chain, method: str) -> list[Plan]:
@@ -67,12 +82,24 @@ def chain_plans(chain: Chain, method: str) -> list[Plan]:
     return plans
 
 
+def _random_chains() -> list[Chain]:
+    """Homogeneous and random chains of 1 to 11 stages, half the random ones with negative
+    backward overheads (as measured chains have)."""
+    chains = []
+    for seed in range(12):
+        n = 1 + seed % 11
+        if seed % 3 == 0:
+            chains.append(Chain.homogeneous(n, out_bytes=10))
+            continue
+        chains.append(Chain.random(n, seed=seed))
+        chains.append(Chain.random(n, seed=seed, negative_bwd_overheads=True))
+    return chains
+
+
 @pytest.mark.parametrize("method", CHAIN_PLANNERS)
 def test_every_chain_planners_plans_simulate_alike_on_the_interpreter(method: str) -> None:
     nested = 0
-    for seed in range(12):
-        n = 1 + seed % 11
-        chain = Chain.random(n, seed=seed) if seed % 3 else Chain.homogeneous(n, out_bytes=10)
+    for chain in _random_chains():
         for plan in chain_plans(chain, method):
             assert_same_simulation(chain, plan)
             assert plan.predicted_peak_bytes == interpret(chain, plan).peak_bytes
@@ -81,18 +108,49 @@ def test_every_chain_planners_plans_simulate_alike_on_the_interpreter(method: st
         assert nested, f"{method} made no nested plan: the nested case went untested"
 
 
-def test_every_nested_plan_of_small_chains_simulates_alike() -> None:
-    """Brute force: all 224 nested plans of 4-stage chains (random costs, overheads)."""
-    for seed in range(2):
-        chain = Chain.random(4, seed=seed)
-        for plan in nested_plans(4):
+@pytest.fixture(scope="module")
+def captured_chains() -> dict[str, Chain]:
+    """Chains captured from zoo models (real and fake tensors; most carry negative backward
+    overheads) and DenseNet-121's stored capture."""
+    chains = {}
+    for name, fake in CAPTURED:
+        entry = zoo.get(name, **SMALL_ZOO[name])
+        chain = capture_chain(entry.model, entry.batch, entry.loss_fn, repeats=1, fake=fake)
+        chains[f"{name}{'-fake' if fake else ''}"] = chain
+    chains["densenet121"] = Chain.from_json((DATA / "densenet121_chain.json").read_text())
+    return chains
+
+
+@pytest.mark.parametrize("method", CHAIN_PLANNERS)
+def test_every_chain_planners_plans_on_captured_chains_simulate_alike(
+    method: str, captured_chains: dict[str, Chain]
+) -> None:
+    """On measured chains, the path graph (``Graph.from_chain``) and the chain simulator agree
+    event by event for every planner's plans (``Graph`` refused these chains' negative
+    overheads before)."""
+    negative = 0
+    for name, chain in captured_chains.items():
+        negative += min(chain.bwd_overhead_bytes) < 0
+        for plan in chain_plans(chain, method):
             assert_same_simulation(chain, plan)
+            assert plan.predicted_peak_bytes == interpret(chain, plan).peak_bytes, name
+    assert negative >= 4, "the captured chains no longer carry negative overheads"
+
+
+def test_every_nested_plan_of_small_chains_simulates_alike() -> None:
+    """Brute force: all 224 nested plans of 4-stage chains (random costs, overheads, negative
+    backward ones too)."""
+    for seed in range(2):
+        for negative in (False, True):
+            chain = Chain.random(4, seed=seed, negative_bwd_overheads=negative)
+            for plan in nested_plans(4):
+                assert_same_simulation(chain, plan)
 
 
 @settings(max_examples=30)
-@given(st.integers(1, 16), st.integers(0, 10_000), st.sampled_from(CHAIN_PLANNERS))
-def test_chain_planners_on_random_chains(n: int, seed: int, method: str) -> None:
-    chain = Chain.random(n, seed=seed)
+@given(st.integers(1, 16), st.integers(0, 10_000), st.sampled_from(CHAIN_PLANNERS), st.booleans())
+def test_chain_planners_on_random_chains(n: int, seed: int, method: str, negative: bool) -> None:
+    chain = Chain.random(n, seed=seed, negative_bwd_overheads=negative)
     budget = random.Random(seed).choice([None, "least", "middle"])
     if budget == "least":
         plan = plan_chain(chain, method, least_peak(chain, method))
@@ -112,6 +170,7 @@ def _graphs() -> list[tuple[str, Graph]]:
         ("dag", random_dag(8, 3)),
         ("dag-2-sinks", random_dag(7, 4, single_sink=False)),
         ("path", Graph.from_chain(Chain.random(7, seed=5))),
+        ("path-negative", Graph.from_chain(Chain.random(7, seed=5, negative_bwd_overheads=True))),
     ]
 
 

@@ -211,6 +211,11 @@ class Chain:
         for name in _INT_FIELDS:
             data[name] = [int(round(v * factor)) for v in data[name]]
         data["input_bytes"] = int(round(self.input_bytes * factor))
+        # rounded apart, a negative overhead may fall below -(saved + out) by a byte
+        floors = [-(s + o) for s, o in zip(data["saved_bytes"], data["out_bytes"], strict=True)]
+        data["bwd_overhead_bytes"] = [
+            max(v, floor) for v, floor in zip(data["bwd_overhead_bytes"], floors, strict=True)
+        ]
         return Chain._from_dict(data)
 
     # ------------------------------------------------------------------ JSON

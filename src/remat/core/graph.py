@@ -16,7 +16,11 @@ costs follow the same convention as the chain model (:mod:`remat.core.chain`, ``
   default, and the chain model's assumption) means all of them. ``add`` and ``cat`` save no
   input, ``relu`` saves its output only, a convolution saves its input.
 * ``fwd_overhead_bytes``, ``bwd_overhead_bytes``: transient bytes during the forward / during
-  the backward beyond the input gradients it produces.
+  the backward beyond the input gradients it produces. ``bwd_overhead_bytes`` is **negative**
+  when the backward frees part of what it holds before its peak (autograd frees each op's saved
+  tensors and the output gradient as soon as they are used), as in measured chains
+  (:mod:`remat.core.chain`); never below ``-(held + out_bytes)``, ``held`` being what the node's
+  backward holds of its own (``saved_bytes``, or ``residual_bytes`` without ``keeps_output``).
 
 **The graph input is not a node.** ``Graph.input_bytes`` counts it; it is live for the whole
 step, gets no gradient, and reads of it are not recorded: a node with ``inputs == ()`` is a
@@ -24,8 +28,9 @@ source that reads only the graph input (or nothing). **The outputs are the sinks
 no other node reads. The loss reads them and produces one gradient per sink. A tensor that is
 both returned and used later is modelled with an extra zero-cost identity sink.
 
-A path graph is exactly a :class:`~remat.core.chain.Chain` (:meth:`Graph.from_chain`), and
-simulates exactly like it (``tests/test_graph_core.py``).
+A path graph is exactly a :class:`~remat.core.chain.Chain` (:meth:`Graph.from_chain`, back with
+:meth:`Graph.to_chain`), has the chain's fingerprint (so a plan made for the chain is checked
+against its path graph and back), and simulates exactly like it (``tests/test_one_simulator.py``).
 
 Example:
     >>> g = Graph(
@@ -48,12 +53,10 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from remat.core.chain import Chain
 from remat.core.schema import read_schema
-
-if TYPE_CHECKING:
-    from remat.core.chain import Chain
 
 __all__ = ["Node", "Graph", "GRAPH_SCHEMA_VERSION"]
 
@@ -79,7 +82,8 @@ class Node:
     fwd_overhead_bytes: int = 0
     """Transient bytes during the forward beyond what it keeps."""
     bwd_overhead_bytes: int = 0
-    """Transient bytes during the backward beyond the input gradients it produces."""
+    """Transient bytes during the backward beyond the input gradients it produces; negative when
+    the backward frees part of what it holds first (module docstring)."""
     saved_inputs: tuple[int, ...] | None = None
     """The inputs the backward reads (a subset of ``inputs``); ``None`` means all of them."""
     keeps_output: bool = True
@@ -103,13 +107,20 @@ class Node:
                 raise ValueError(f"node {self.name!r}: {name} = {value}; must be finite and >= 0")
             set_(self, name, value)
         for name in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
-            set_(self, name, _as_bytes(self.name, name, getattr(self, name)))
+            value = _as_bytes(self.name, name, getattr(self, name), name != "bwd_overhead_bytes")
+            set_(self, name, value)
         if not isinstance(self.keeps_output, bool):
             raise TypeError(f"node {self.name!r}: keeps_output must be a bool")
         if self.saved_bytes < self.out_bytes:
             raise ValueError(
                 f"node {self.name!r}: saved_bytes ({self.saved_bytes}) < out_bytes "
                 f"({self.out_bytes}); saved_bytes includes the node's own output"
+            )
+        if self.bwd_overhead_bytes < self.bwd_overhead_floor:
+            raise ValueError(
+                f"node {self.name!r}: bwd_overhead_bytes = {self.bwd_overhead_bytes} is below "
+                f"{self.bwd_overhead_floor}, minus what the node's backward holds (its saved "
+                "tensors and its output gradient): a backward cannot free more than it holds"
             )
         if len(set(self.inputs)) != len(self.inputs):
             raise ValueError(
@@ -125,6 +136,13 @@ class Node:
     def residual_bytes(self) -> int:
         """Saved bytes beyond the output (``saved_bytes - out_bytes``)."""
         return self.saved_bytes - self.out_bytes
+
+    @property
+    def bwd_overhead_floor(self) -> int:
+        """The least ``bwd_overhead_bytes``: minus what the backward holds of its own (saved
+        tensors, the output among them under ``keeps_output``, and the output gradient)."""
+        held = self.saved_bytes if self.keeps_output else self.residual_bytes
+        return -(held + self.out_bytes)
 
     @property
     def backward_inputs(self) -> tuple[int, ...]:
@@ -184,8 +202,11 @@ class Graph:
                     )
                 consumers[u].append(v)
         set_(self, "_consumers", tuple(tuple(c) for c in consumers))
-        digest = hashlib.sha256(self._canonical().encode()).hexdigest()[:16]
-        set_(self, "_fingerprint", digest)
+        if self.is_chain():  # one cost model: a chain's path graph has the chain's fingerprint
+            set_(self, "_fingerprint", self.to_chain().fingerprint)
+        else:
+            digest = hashlib.sha256(self._canonical().encode()).hexdigest()[:16]
+            set_(self, "_fingerprint", digest)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -205,6 +226,27 @@ class Graph:
             for i in range(chain.n)
         ]
         return cls(tuple(nodes), input_bytes=chain.input_bytes, time_unit=chain.time_unit)
+
+    def to_chain(self) -> Chain:
+        """The chain whose path graph this is (:meth:`from_chain` back; :meth:`is_chain`)."""
+        if not self.is_chain():
+            raise ValueError(
+                "not a chain: a chain's path graph has node v read node v - 1 only, each "
+                "backward reading its input and keeping its output (saved_inputs, keeps_output "
+                "at their defaults)"
+            )
+        nodes = self.nodes
+        return Chain(
+            fwd_time=tuple(node.fwd_time for node in nodes),
+            bwd_time=tuple(node.bwd_time for node in nodes),
+            out_bytes=tuple(node.out_bytes for node in nodes),
+            saved_bytes=tuple(node.saved_bytes for node in nodes),
+            input_bytes=self.input_bytes,
+            fwd_overhead_bytes=tuple(node.fwd_overhead_bytes for node in nodes),
+            bwd_overhead_bytes=tuple(node.bwd_overhead_bytes for node in nodes),
+            names=tuple(node.name for node in nodes),
+            time_unit=self.time_unit,
+        )
 
     @classmethod
     def from_edges(
@@ -236,7 +278,8 @@ class Graph:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the costs and edges (names excluded): plans record it."""
+        """A short hash of the costs and edges (names excluded): plans record it. A chain's
+        path graph (:meth:`is_chain`) has the chain's :attr:`~remat.core.chain.Chain.fingerprint`."""
         return self._fingerprint
 
     def consumers(self, v: int) -> tuple[int, ...]:
@@ -256,6 +299,14 @@ class Graph:
     def is_path(self) -> bool:
         """True when node ``v`` reads exactly node ``v - 1`` (a chain)."""
         return all(node.inputs == ((v - 1,) if v else ()) for v, node in enumerate(self.nodes))
+
+    def is_chain(self) -> bool:
+        """True when this is the path graph of a :class:`~remat.core.chain.Chain`
+        (:meth:`from_chain`): a path whose backwards read their input and keep their output,
+        as the chain model assumes."""
+        return self.is_path() and all(
+            node.keeps_output and node.backward_inputs == node.inputs for node in self.nodes
+        )
 
     def edges(self) -> list[tuple[int, int]]:
         """Every ``(producer, consumer)`` pair."""
@@ -285,16 +336,20 @@ class Graph:
         def scale(x: int) -> int:
             return int(round(x * factor))
 
-        nodes = tuple(
-            replace(
+        def scale_node(node: Node) -> Node:
+            out = scale(node.out_bytes)
+            saved = max(scale(node.saved_bytes), out)
+            held = saved if node.keeps_output else saved - out
+            return replace(
                 node,
-                out_bytes=scale(node.out_bytes),
-                saved_bytes=max(scale(node.saved_bytes), scale(node.out_bytes)),
+                out_bytes=out,
+                saved_bytes=saved,
                 fwd_overhead_bytes=scale(node.fwd_overhead_bytes),
-                bwd_overhead_bytes=scale(node.bwd_overhead_bytes),
+                # rounded apart, a negative overhead may fall below the scaled floor by a byte
+                bwd_overhead_bytes=max(scale(node.bwd_overhead_bytes), -(held + out)),
             )
-            for node in self.nodes
-        )
+
+        nodes = tuple(scale_node(node) for node in self.nodes)
         return Graph(nodes, input_bytes=scale(self.input_bytes), time_unit=self.time_unit)
 
     # ------------------------------------------------------------------ JSON
@@ -331,13 +386,13 @@ class Graph:
         return self.n
 
 
-def _as_bytes(node: str, name: str, value: Any) -> int:
+def _as_bytes(node: str, name: str, value: Any, nonnegative: bool = True) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"node {node!r}: {name} must be a number of bytes, got {value!r}")
     if isinstance(value, float):
         if value != int(value):
             raise ValueError(f"node {node!r}: {name} must be a whole number of bytes, got {value}")
         value = int(value)
-    if value < 0:
+    if nonnegative and value < 0:
         raise ValueError(f"node {node!r}: {name} = {value}; bytes must be >= 0")
     return int(value)

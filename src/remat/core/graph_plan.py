@@ -33,7 +33,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from remat.core.plan import Plan, PlanError, Segment
+from remat.core.chain import Chain
+from remat.core.plan import Plan, PlanError, Segment, check_made_for
 from remat.core.schema import read_schema
 
 if TYPE_CHECKING:
@@ -149,7 +150,12 @@ class GraphPlan:
     predicted_time: float | None = None
     """Forward + recomputation + backward time predicted by the simulator."""
     graph_fingerprint: str | None = None
-    """Fingerprint of the graph the plan was made for (:attr:`Graph.fingerprint`)."""
+    """Fingerprint of the graph the plan was made for (:attr:`Graph.fingerprint`; for a chain's
+    path graph, the chain's)."""
+    stages_fingerprint: str | None = None
+    """For a plan of a chain captured from a model (:meth:`from_chain_plan`), the structure of
+    its stages (:attr:`remat.core.plan.Plan.stages_fingerprint`), carried back by
+    :meth:`to_chain_plan`; None otherwise."""
 
     def __post_init__(self) -> None:
         segments = tuple(sorted(self.segments, key=lambda s: s.nodes))
@@ -217,22 +223,55 @@ class GraphPlan:
         return cls(tuple(GraphSegment(tuple(g)) for g in groups.values()), params=params, **kwargs)
 
     @classmethod
-    def from_chain_plan(cls, plan: Plan, n: int, **kwargs: Any) -> GraphPlan:
-        """The graph plan of a chain plan on :meth:`Graph.from_chain` (stage ``i`` = node ``i-1``)."""
-        plan = plan.for_chain(n)
+    def from_chain_plan(
+        cls,
+        plan: Plan,
+        n: int | Chain | Graph | None = None,
+        *,
+        blocks: Sequence[Sequence[int]] | None = None,
+        **kwargs: Any,
+    ) -> GraphPlan:
+        """The graph plan of a chain plan on the chain's path graph (:meth:`Graph.from_chain`:
+        stage ``i`` is node ``i - 1``; nesting kept), every field carried over (the chain's
+        fingerprint is its path graph's): :meth:`to_chain_plan` gives ``plan`` back (stored
+        segments side by side merged: ``[1-2] [3-4]`` comes back as ``[1-4]``, which runs the
+        same; no planner makes them). ``n`` (the
+        chain, its path graph, or its number of stages) checks the plan against it; a rule plan
+        needs it, but for ``Plan.none()`` (no segment either way).
+
+        With ``blocks`` instead, stage ``k`` is the nodes ``blocks[k - 1]`` of a graph (as
+        :mod:`remat.planners.articulation` cuts it): the graph plan over those nodes, with the
+        method and parameters only (the predictions and fingerprints are the block chain's).
+        ``kwargs`` override fields of the result.
+        """
+        if blocks is not None:
+            plan = plan.for_chain(len(blocks))
+        elif n is not None:
+            plan = plan.for_chain(n)
+        elif plan.rule not in (None, "none"):
+            raise GraphPlanError(f"the rule plan {plan.describe()} needs the chain (n=...)")
+        stages = blocks if blocks is not None else [[k] for k in range(plan.n or 0)]
 
         def convert(segments: Sequence[Segment]) -> tuple[GraphSegment, ...]:
-            out = []
-            for seg in segments:
-                if seg.checkpoint:
-                    children = tuple(c for c in convert(seg.children))
-                    nodes = tuple(range(seg.start - 1, seg.stop))
-                    out.append(GraphSegment(nodes, children))
-            return tuple(out)
+            return tuple(
+                GraphSegment(
+                    tuple(v for k in range(seg.start - 1, seg.stop) for v in stages[k]),
+                    convert(seg.children),
+                )
+                for seg in segments
+                if seg.checkpoint
+            )
 
-        kwargs.setdefault("method", plan.method)
-        kwargs.setdefault("params", dict(plan.params))
-        return cls(convert(plan.segments), **kwargs)
+        fields: dict[str, Any] = {"method": plan.method, "params": dict(plan.params)}
+        if blocks is None:
+            fields.update(
+                predicted_peak_bytes=plan.predicted_peak_bytes,
+                predicted_time=plan.predicted_time,
+                graph_fingerprint=plan.chain_fingerprint,
+                stages_fingerprint=plan.stages_fingerprint,
+            )
+        fields.update(kwargs)
+        return cls(convert(plan.segments), **fields)
 
     # ------------------------------------------------------------------ use
     def for_graph(self, graph: Graph) -> GraphPlan:
@@ -243,12 +282,7 @@ class GraphPlan:
                     f"segment {_span(seg.nodes)} names node {seg.last} but the graph has "
                     f"{graph.n} nodes; make a new plan for this graph"
                 )
-        if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint:
-            raise GraphPlanError(
-                "this plan was made for other costs (graph fingerprint "
-                f"{self.graph_fingerprint}, this graph {graph.fingerprint}): the batch shape or "
-                "the model changed, so re-plan for it"
-            )
+        check_made_for(self.graph_fingerprint, graph.fingerprint, "graph", GraphPlanError)
         return self
 
     def walk(self) -> Iterator[GraphSegment]:
@@ -293,8 +327,22 @@ class GraphPlan:
             for s in self.segments
         )
 
-    def to_chain_plan(self, n: int) -> Plan:
-        """The chain plan of this plan on a path graph of ``n`` nodes (segments must be runs)."""
+    def to_chain_plan(self, n: int | Chain | Graph | None = None) -> Plan:
+        """The chain plan of this plan on a path graph (segments must be runs of nodes), every
+        field carried over: :meth:`from_chain_plan` back. ``n``: the chain, its path graph (the
+        plan is checked against it) or its number of stages; without it a plan with no
+        segment is the rule plan ``Plan.none()``."""
+        if n is None:
+            if self.segments:
+                raise GraphPlanError(
+                    "to_chain_plan needs the chain (n=...) for a plan with segments"
+                )
+            return Plan(rule="none", **self._chain_fields())
+        size = n if isinstance(n, int) else n.n
+        if not isinstance(n, int):
+            check_made_for(self.graph_fingerprint, n.fingerprint, "graph", GraphPlanError)
+        if self.segments and self.segments[-1].last >= size:
+            raise GraphPlanError(f"plan names node {self.segments[-1].last}; the chain has {size}")
 
         def convert(segments: Sequence[GraphSegment], start: int, stop: int) -> list[Segment]:
             out: list[Segment] = []
@@ -314,13 +362,17 @@ class GraphPlan:
                 out.append(Segment(pos + 1, stop))
             return out
 
-        return Plan(
-            tuple(convert(self.segments, 0, n)),
-            method=self.method,
-            params=dict(self.params),
-            predicted_peak_bytes=self.predicted_peak_bytes,
-            predicted_time=self.predicted_time,
-        )
+        return Plan(tuple(convert(self.segments, 0, size)), **self._chain_fields())
+
+    def _chain_fields(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "params": dict(self.params),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_time": self.predicted_time,
+            "chain_fingerprint": self.graph_fingerprint,
+            "stages_fingerprint": self.stages_fingerprint,
+        }
 
     # ------------------------------------------------------------------ JSON
     def to_json(self, indent: int | None = None) -> str:
@@ -333,6 +385,7 @@ class GraphPlan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_time": self.predicted_time,
             "graph_fingerprint": self.graph_fingerprint,
+            "stages_fingerprint": self.stages_fingerprint,
         }
         return json.dumps(data, indent=indent)
 
@@ -349,6 +402,7 @@ class GraphPlan:
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
             predicted_time=data.get("predicted_time"),
             graph_fingerprint=data.get("graph_fingerprint"),
+            stages_fingerprint=data.get("stages_fingerprint"),  # absent in older files
         )
 
 

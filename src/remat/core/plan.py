@@ -34,7 +34,7 @@ from remat.core.schema import read_schema
 if TYPE_CHECKING:
     from remat.core.chain import Chain
 
-__all__ = ["Segment", "Plan", "PlanError", "PLAN_SCHEMA_VERSION"]
+__all__ = ["Segment", "Plan", "PlanError", "PLAN_SCHEMA_VERSION", "check_made_for"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -246,13 +246,7 @@ class Plan:
                 f"plan covers stages 1..{self.segments[-1].stop} but the chain has {n} stages; "
                 "make a new plan for this chain"
             )
-        fingerprint = getattr(chain, "fingerprint", None)
-        if self.chain_fingerprint and fingerprint and fingerprint != self.chain_fingerprint:
-            raise PlanError(
-                "this plan was made for other costs (chain fingerprint "
-                f"{self.chain_fingerprint}, this chain {fingerprint}): the batch shape or the "
-                "model changed, so re-plan for it"
-            )
+        check_made_for(self.chain_fingerprint, getattr(chain, "fingerprint", None), "chain")
         return self
 
     @property
@@ -313,6 +307,19 @@ class Plan:
             predicted_time=data.get("predicted_time"),
             chain_fingerprint=data.get("chain_fingerprint"),
             stages_fingerprint=data.get("stages_fingerprint"),  # absent in older files
+        )
+
+
+def check_made_for(
+    made_for: str | None, fingerprint: str | None, what: str, error: type[PlanError] = PlanError
+) -> None:
+    """Raise ``error`` when a plan made for the costs ``made_for`` (a chain's or a graph's
+    fingerprint; a chain and its path graph share one) is used on costs ``fingerprint``
+    (``what``: "chain" or "graph"). Either unknown (None or empty): nothing to check."""
+    if made_for and fingerprint and fingerprint != made_for:
+        raise error(
+            f"this plan was made for other costs ({what} fingerprint {made_for}, this {what} "
+            f"{fingerprint}): the batch shape or the model changed, so re-plan for it"
         )
 
 

@@ -12,7 +12,9 @@ blocks form a :class:`~remat.core.chain.Chain` (:func:`block_chain`):
 * ``fwd_overhead_bytes``: the largest excess over ``saved_bytes`` (with grad) or over
   ``out_bytes`` (without grad) of the memory the block's nodes hold while it runs forward;
 * ``bwd_overhead_bytes``: the largest excess, during the block's backward, of its internal
-  gradients and overheads over what it has already freed.
+  gradients and overheads over what it has already freed (negative when the nodes' backwards
+  free before their peaks, as measured chains do: the block chain of a chain's path graph is
+  that chain).
 
 These aggregates make the chain an **upper bound**: the graph plan that a chain plan maps to
 (each chain segment becomes the union of its blocks' nodes, nesting kept) never peaks above
@@ -42,8 +44,8 @@ from typing import Any
 
 from remat.core.chain import Chain
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan, GraphSegment
-from remat.core.plan import Plan, Segment
+from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
 from remat.planners import BudgetTooSmallError, available, plan_chain
 from remat.planners.graph import register_graph_planner
@@ -138,17 +140,21 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
         fwd_oh.append(max(0, worst_all - saved, worst_none - nodes[last].out_bytes))
         # backward: internal gradients alive minus what the block has freed already
         grads: set[int] = set()
-        freed, internal, worst = 0, 0, 0
+        freed, internal, worst = 0, 0, None
         for j in reversed(block):
             for u in nodes[j].inputs:
                 if u in inside and u not in grads:
                     grads.add(u)
                     internal += nodes[u].out_bytes
-            worst = max(worst, internal - freed + nodes[j].bwd_overhead_bytes)
+            here = internal - freed + nodes[j].bwd_overhead_bytes
+            worst = here if worst is None else max(worst, here)
             if j != last and j in grads:
                 internal -= nodes[j].out_bytes
             freed += nodes[j].saved_bytes
-        bwd_oh.append(max(0, worst))
+        assert worst is not None
+        # negative when the backwards free before their peaks (measured overheads), never
+        # below what the block's backward holds: its saved bytes and its output gradient
+        bwd_oh.append(max(worst, -(saved + nodes[last].out_bytes)))
     chain = Chain(
         fwd_time=tuple(float(sum(nodes[j].fwd_time for j in b)) for b in blocks),
         bwd_time=tuple(float(sum(nodes[j].bwd_time for j in b)) for b in blocks),
@@ -165,17 +171,7 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
 
 def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> GraphPlan:
     """The graph plan of a chain plan over blocks (stage ``k`` = ``blocks[k - 1]``)."""
-    plan = plan.for_chain(len(blocks))
-
-    def convert(segments: tuple[Segment, ...]) -> tuple[GraphSegment, ...]:
-        out = []
-        for seg in segments:
-            if seg.checkpoint:
-                nodes = tuple(v for k in range(seg.start - 1, seg.stop) for v in blocks[k])
-                out.append(GraphSegment(nodes, convert(seg.children)))
-        return tuple(out)
-
-    return GraphPlan(convert(plan.segments), method=plan.method, params=dict(plan.params))
+    return GraphPlan.from_chain_plan(plan, blocks=blocks)
 
 
 @register_graph_planner("articulation")
