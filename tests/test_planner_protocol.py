@@ -15,16 +15,22 @@ from nested_plans import brute_force, min_time_within
 
 import remat
 from remat import BudgetTooSmallError, Chain, Plan, simulate
+from remat.core.graph import Graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_graph
 from remat.core.synthetic import random_dag
 from remat.planners import (
     _REGISTRY,
     Planner,
+    PlannerEntry,
     available,
     candidates,
+    get,
     get_planner,
     grid_candidates,
     least_peak,
     plan_chain,
+    register,
     sweep,
 )
 from remat.planners.graph import (
@@ -154,7 +160,7 @@ def test_sweep_and_least_peak_do_not_swallow_other_errors(
     def broken(chain: Chain, budget: int | None) -> Plan:
         raise RuntimeError("a planner bug")
 
-    monkeypatch.setitem(_REGISTRY, "broken-test-planner", broken)
+    monkeypatch.setitem(_REGISTRY, "broken-test-planner", PlannerEntry("broken", chain=broken))
     chain = Chain.homogeneous(4)
     with pytest.raises(RuntimeError, match="a planner bug"):
         sweep(chain, "broken-test-planner", [1, 10**9])
@@ -234,3 +240,59 @@ def test_no_module_branches_on_a_planner_name() -> None:
                 if match.group(1) in names:
                     found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_one_registry_each_entry_says_what_it_plans() -> None:
+    """One table: ``available(None)`` is every name, the chain and graph names its parts; a
+    name may hold a planner of each kind (``none``, ``reforward``); the old graph names read the
+    same table."""
+    every = available(None)
+    assert set(every) == set(available("chain")) | set(available("graph"))
+    assert available() == available("chain")
+    assert available_graph_planners() == available("graph")
+    assert _REGISTRY["none"].plans == ("chain", "graph")
+    assert _REGISTRY["reforward"].plans == ("chain", "graph")
+    assert _REGISTRY["optimal-time"].plans == ("chain",)
+    assert _REGISTRY["checkmate-milp"].plans == ("graph",)
+    for name in every:
+        for kind in _REGISTRY[name].plans:
+            assert get(name, kind) is getattr(_REGISTRY[name], kind)
+            assert isinstance(get(name, kind), Planner)
+    assert get_graph_planner("reforward") is get("reforward", "graph")
+    assert get_graph_planner("reforward") is not get_planner("reforward")
+    with pytest.raises(ValueError, match="unknown graph planner 'optimal-time'"):
+        get("optimal-time", "graph")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        available("tree")
+    with pytest.raises(ValueError, match="registered twice"):
+        register("none", plans="graph")(lambda graph, budget: None)
+
+
+@settings(max_examples=15)
+@given(chains, st.data())
+def test_a_chain_planner_plans_the_path_graph_as_its_chain(
+    chain: Chain, data: st.DataObject
+) -> None:
+    """A chain-only planner plans a path graph: its chain plan carried over, the same stamp
+    (the interpreter on the path graph agrees with the chain simulator), for one budget, a
+    sweep and the least peak; a graph that is not a path is refused by name."""
+    graph = Graph.from_chain(chain)
+    budgets = _budgets(chain, data)
+    for method in sorted(set(available("chain")) - set(available("graph"))):
+        assert least_peak(graph, method) == least_peak(chain, method), method
+        assert least_graph_peak(graph, method) == least_peak(chain, method), method
+        chain_plans = sweep(chain, method, budgets)
+        graph_plans = sweep_graph(graph, method, budgets)
+        for budget, one, got in zip(budgets, chain_plans, graph_plans, strict=True):
+            if one is None:
+                assert got is None, (method, budget)
+                with pytest.raises(BudgetTooSmallError):
+                    plan_graph(graph, method, budget)
+                continue
+            assert got == GraphPlan.from_chain_plan(one, graph), (method, budget)
+            assert got.graph_fingerprint == graph.fingerprint
+            assert simulate_graph(graph, got).peak_bytes == got.predicted_peak_bytes
+            assert got.predicted_peak_bytes == one.predicted_peak_bytes <= budget
+            assert plan_graph(graph, method, budget) == got, (method, budget)
+    with pytest.raises(ValueError, match="unknown graph planner 'optimal-time'"):
+        plan_graph(random_dag(6, 0), "optimal-time")

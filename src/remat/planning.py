@@ -27,10 +27,10 @@ from remat.planners import (
     candidates,
     least_peak,
     plan_chain,
+    plan_graph,
     stamp,
     sweep,
 )
-from remat.planners.graph import plan_graph
 
 __all__ = [
     "plan",

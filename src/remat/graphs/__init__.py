@@ -38,7 +38,7 @@ from remat.core.simulate import (
     simulate_graph,
     simulate_step_peak,
 )
-from remat.planners.graph import (
+from remat.planners import (
     available_graph_planners,
     get_graph_planner,
     least_graph_peak,

@@ -47,8 +47,7 @@ from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan
 from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
-from remat.planners import BudgetTooSmallError, available, plan_chain
-from remat.planners.graph import register_graph_planner
+from remat.planners.registry import BudgetTooSmallError, available, plan_chain, register
 
 __all__ = [
     "plan_articulation",
@@ -174,7 +173,7 @@ def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> GraphPlan:
     return GraphPlan.from_chain_plan(plan, blocks=blocks)
 
 
-@register_graph_planner("articulation")
+@register("articulation", plans="graph")
 def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
     """Cut points -> chain of blocks -> a chain planner -> graph plan (module docstring)."""
     config = ArticulationConfig(**options)

@@ -84,8 +84,7 @@ from typing import Any
 from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan, GraphSegment
 from remat.core.simulate import simulate_graph
-from remat.planners import BudgetTooSmallError
-from remat.planners.graph import register_graph_planner
+from remat.planners.registry import BudgetTooSmallError, register
 
 __all__ = [
     "plan_checkmate",
@@ -139,7 +138,7 @@ class MilpConfig:
             raise ValueError(f"encoding must be 'runs' or 'stages', got {self.encoding!r}")
 
 
-@register_graph_planner("checkmate-milp")
+@register("checkmate-milp", plans="graph")
 def plan_checkmate(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
     """Checkmate's exact MILP: minimal simulated time with a peak within ``budget``."""
     config = MilpConfig(**options)
@@ -150,7 +149,7 @@ def plan_checkmate(graph: Graph, budget: int | None = None, **options: Any) -> G
     return _solve_exact(graph, budget, config)
 
 
-@register_graph_planner("checkmate-lp")
+@register("checkmate-lp", plans="graph")
 def plan_checkmate_lp(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
     """Checkmate's LP relaxation + rounding (fast, approximate; see the module docstring)."""
     options.setdefault("relaxation", True)

@@ -73,7 +73,7 @@ from dataclasses import replace
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
 from remat.core.plan import Plan, Segment
-from remat.planners import BudgetTooSmallError, register
+from remat.planners.registry import BudgetTooSmallError, register
 
 __all__ = ["plan_chen_sqrt", "plan_chen_budget", "plan_chen_recursive", "greedy_checkpoints"]
 

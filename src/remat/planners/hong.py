@@ -115,7 +115,7 @@ import numpy as np
 
 from remat.core.chain import Chain
 from remat.core.plan import Plan
-from remat.planners import BudgetTooSmallError, register
+from remat.planners.registry import BudgetTooSmallError, register
 
 __all__ = [
     "plan_hong_dp",

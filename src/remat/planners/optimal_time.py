@@ -71,7 +71,7 @@ import numpy as np
 
 from remat.core.chain import Chain
 from remat.core.plan import Plan, Segment
-from remat.planners import BudgetTooSmallError, register
+from remat.planners.registry import BudgetTooSmallError, grid_candidates, plan_chain, register
 
 __all__ = [
     "plan_optimal_time",
@@ -833,8 +833,6 @@ def candidates(chain: Chain) -> list[Plan]:
     :data:`_REFERENCE_PLANNERS`. optimal-time promises the least time; under a budget on the
     whole step (whose peak is not a monotone function of the activation peak) a baseline's plan
     can fit where the grid's plans of similar time do not, and is then the faster answer."""
-    from remat.planners import grid_candidates, plan_chain
-
     return grid_candidates(chain, METHOD) + [plan_chain(chain, m) for m in _REFERENCE_PLANNERS]
 
 

@@ -67,7 +67,6 @@ import numpy as np
 
 from remat.core.chain import Chain
 from remat.core.plan import Plan
-from remat.planners import register
 from remat.planners.hong import (
     UNREACHED,
     FlatCosts,
@@ -76,6 +75,7 @@ from remat.planners.hong import (
     least_peak_plan,
     segment_starts,
 )
+from remat.planners.registry import register
 
 __all__ = ["plan_reforward"]
 

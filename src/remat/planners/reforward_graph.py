@@ -71,8 +71,7 @@ from dataclasses import dataclass, field
 from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan
 from remat.core.simulate import simulate_graph
-from remat.planners import BudgetTooSmallError
-from remat.planners.graph import register_graph_planner
+from remat.planners.registry import BudgetTooSmallError, register
 
 __all__ = ["plan_reforward", "ReforwardConfig", "FengGraph", "feng_cost", "DivisionTree"]
 
@@ -94,7 +93,7 @@ class ReforwardConfig:
             raise ValueError("max_candidates must be >= 1")
 
 
-@register_graph_planner("reforward")
+@register("reforward", plans="graph")
 def plan_reforward(graph: Graph, budget: int | None = None, **options: object) -> GraphPlan:
     """Feng & Huang's optimal checkpoint set (see the module docstring)."""
     config = ReforwardConfig(**options)  # type: ignore[arg-type]
