@@ -233,16 +233,15 @@ def test_every_nested_plan_has_one_step_peak_on_the_chain_and_its_path_graph() -
 
 
 def test_a_graph_counts_a_segments_state_only_until_its_backward() -> None:
-    # path graph of 4 nodes of 10 B each, segments [0-1] and [2-3]: at the peak (the backward
-    # of node 3, after its recomputation) segment [0-1]'s state is still held and [2-3]'s
-    # too; at the backward of node 1 only [0-1]'s: the two states are counted where each
-    # segment lives, not both all step
+    # path graph of 4 nodes of 10 B each, segments [0-1] and [2-3]: during the backward of
+    # node 3 (after its recomputation) both segments' states are held, from the backward of
+    # node 1 on only [0-1]'s, until node 0's backward frees it
     chain = Chain.homogeneous(4, out_bytes=10)
     plan = Plan.from_checkpoints(chain, [2])
     graph = Graph.from_chain(chain)
     graph_plan = GraphPlan.from_chain_plan(plan, chain)
     assert [s.nodes for s in graph_plan.segments] == [(0, 1), (2, 3)]
-    costs = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 4, checkpoint_state_bytes=1000)
+    assert checkpoint_spans(graph_plan) == ((0, 1), (2, 1))
     timeline = [
         StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes)
         for e in simulate_graph(graph, graph_plan).timeline
@@ -250,8 +249,14 @@ def test_a_graph_counts_a_segments_state_only_until_its_backward() -> None:
     states = segment_state_bytes(timeline, checkpoint_spans(graph_plan), 1000)
     backward_of = {e.index: s for e, s in zip(timeline, states, strict=True) if e.backward}
     assert backward_of == {3: 2000, 2: 2000, 1: 1000, 0: 1000}
-    assert states[-1] == 1000 and states[0] == 1000
-    assert step_peak_of(graph, graph_plan, costs) == step_peak(timeline, costs, ((0, 1), (2, 1)))
+    assert states[0] == 1000
+    # node 0's backward makes 500 B of gradients: the step's peak (530 B without states), where
+    # one state of 100 B is left, not both (730 B, as the graph branch counted before)
+    costs = StepCosts(persistent_bytes=0, grad_bytes=(500, 0, 0, 0), checkpoint_state_bytes=100)
+    stateless = replace(costs, checkpoint_state_bytes=0)
+    assert step_peak_of(graph, graph_plan, stateless) == 530
+    assert step_peak_of(graph, graph_plan, costs) == 630 == step_peak_of(chain, plan, costs)
+    assert step_peak(timeline, costs, checkpoint_spans(graph_plan)) == 630
 
 
 def test_no_budget_is_least_memory_within_one_forward() -> None:
