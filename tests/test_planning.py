@@ -10,17 +10,23 @@ graphs: its five contracts, on small random instances (hypothesis) and on captur
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import Branchy
+from nested_plans import nested_plans
 
 from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.graph import Graph
 from remat.core.plan import Plan
-from remat.core.step import StepCosts
+from remat.core.simulate import checkpoint_spans, simulate_graph
+from remat.core.step import StepCosts, StepEvent, segment_state_bytes, step_peak
 from remat.core.synthetic import random_dag, residual_chain
 from remat.graphs import GraphPlan
-from remat.planners import BudgetTooSmallError
+from remat.planners import BudgetTooSmallError, available, least_peak, plan_chain
 from remat.planning import least_step_plan, plan_for_step, step_candidates, step_peak_of
 
 
@@ -159,13 +165,105 @@ def test_checkpoint_state_bytes_are_counted_per_checkpointed_segment() -> None:
     assert step_peak_of(chain, plan_for_step(chain, with_state, budget), with_state) <= budget
 
 
+CHAIN_PLANNERS = available()
+
+
+def _path_graph_step_peak(chain: Chain, plan: Plan, costs: StepCosts) -> int:
+    """``step_peak_of`` of ``plan`` read as a graph plan on the chain's path graph."""
+    return step_peak_of(Graph.from_chain(chain), GraphPlan.from_chain_plan(plan, chain), costs)
+
+
+@st.composite
+def chains_with_state_costs(draw):
+    """Random chains (half with negative backward overheads) and step costs with a nonzero
+    checkpoint state per segment."""
+    n = draw(st.integers(1, 9))
+    negative = draw(st.booleans())
+    chain = Chain.random(n, seed=draw(st.integers(0, 10**6)), negative_bwd_overheads=negative)
+    costs = _costs(draw, n, chain.input_bytes, 40)
+    state = draw(st.sampled_from([1, 7, 10, 40, 5056]))
+    return chain, replace(costs, checkpoint_state_bytes=state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chains_with_state_costs(),
+    st.sampled_from(CHAIN_PLANNERS),
+    st.sampled_from([None, "least", "middle"]),
+)
+def test_a_chain_and_its_path_graph_have_one_step_peak(chain_costs, method, budget) -> None:
+    """One whole-step model: every registered chain planner's plan costs the same whole step
+    on the chain and, as a graph plan, on its path graph (checkpoint states live from each
+    checkpointed segment's forward to its backward in both; the graph branch counted every
+    segment's state all step before)."""
+    chain, costs = chain_costs
+    low = least_peak(chain, method)
+    top = simulate(chain, Plan.none(chain)).peak_bytes
+    activation_budget = {None: None, "least": low, "middle": (low + top) // 2}[budget]
+    plan = plan_chain(chain, method, activation_budget)
+    assert step_peak_of(chain, plan, costs) == _path_graph_step_peak(chain, plan, costs)
+
+
+def test_every_nested_plan_has_one_step_peak_on_the_chain_and_its_path_graph() -> None:
+    """Brute force: all 352 nested plans of 4-stage chains (negative backward overheads too),
+    with the gradients made as the backward runs and accumulated, the output held, and a
+    checkpoint state large enough to move the peak."""
+    checked = moved = 0
+    for seed in range(2):
+        for negative in (False, True):
+            chain = Chain.random(4, seed=seed, negative_bwd_overheads=negative)
+            for grads_live in (False, True):
+                costs = StepCosts(
+                    persistent_bytes=30,
+                    grad_bytes=(5, 0, 9, 3),
+                    grad_rise_bytes=(2, 0, 9, 1),
+                    output_held_bytes=4,
+                    input_bytes=chain.input_bytes,
+                    grads_live=grads_live,
+                    checkpoint_state_bytes=25,
+                )
+                for plan in nested_plans(4):
+                    peak = step_peak_of(chain, plan, costs)
+                    assert peak == _path_graph_step_peak(chain, plan, costs), plan.describe()
+                    stateless = replace(costs, checkpoint_state_bytes=0)
+                    moved += peak > step_peak_of(chain, plan, stateless)
+                    checked += 1
+    assert checked == 8 * len(nested_plans(4)) == 8 * 352
+    assert moved > 0
+
+
+def test_a_graph_counts_a_segments_state_only_until_its_backward() -> None:
+    # path graph of 4 nodes of 10 B each, segments [0-1] and [2-3]: during the backward of
+    # node 3 (after its recomputation) both segments' states are held, from the backward of
+    # node 1 on only [0-1]'s, until node 0's backward frees it
+    chain = Chain.homogeneous(4, out_bytes=10)
+    plan = Plan.from_checkpoints(chain, [2])
+    graph = Graph.from_chain(chain)
+    graph_plan = GraphPlan.from_chain_plan(plan, chain)
+    assert [s.nodes for s in graph_plan.segments] == [(0, 1), (2, 3)]
+    assert checkpoint_spans(graph_plan) == ((0, 1), (2, 1))
+    timeline = [
+        StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes)
+        for e in simulate_graph(graph, graph_plan).timeline
+    ]
+    states = segment_state_bytes(timeline, checkpoint_spans(graph_plan), 1000)
+    backward_of = {e.index: s for e, s in zip(timeline, states, strict=True) if e.backward}
+    assert backward_of == {3: 2000, 2: 2000, 1: 1000, 0: 1000}
+    assert states[0] == 1000
+    # node 0's backward makes 500 B of gradients: the step's peak (530 B without states), where
+    # one state of 100 B is left, not both (730 B, as the graph branch counted before)
+    costs = StepCosts(persistent_bytes=0, grad_bytes=(500, 0, 0, 0), checkpoint_state_bytes=100)
+    stateless = replace(costs, checkpoint_state_bytes=0)
+    assert step_peak_of(graph, graph_plan, stateless) == 530
+    assert step_peak_of(graph, graph_plan, costs) == 630 == step_peak_of(chain, plan, costs)
+    assert step_peak(timeline, costs, checkpoint_spans(graph_plan)) == 630
+
+
 def test_no_budget_is_least_memory_within_one_forward() -> None:
     chain = Chain.random(10, seed=1, max_bytes=100)
     costs = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 10)
     chosen = plan_for_step(chain, costs, None)
     none = Plan.none(chain)
-    from remat.core.chain_simulate import simulate
-
     limit = simulate(chain, none).total_time + chain.total_fwd_time()
     assert simulate(chain, chosen).total_time <= limit
     assert simulate(chain, chosen).peak_bytes < simulate(chain, none).peak_bytes

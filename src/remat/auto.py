@@ -319,8 +319,7 @@ def total_peak_bytes(
     far + the plan's live activation bytes, maximised over the simulated timeline, +
     ``segment_state_bytes`` per checkpointed segment (default: the CPU RNG state,
     :func:`checkpoint_state_bytes`, that the executor's checkpoints keep to replay dropout;
-    counted for every segment at once during the forward and backward, an upper bound of a few
-    KiB each). A stage's gradients count from its first backward on: during that backward they
+    counted from each segment's forward to its backward, :func:`remat.core.step.step_peak`). A stage's gradients count from its first backward on: during that backward they
     add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.chain.capture`: a weight gradient is
     often made after the backward's activation peak), after it all of ``grad_bytes[i]``;
     without ``grad_rise_bytes``, all of it during the backward too. The step ends with the

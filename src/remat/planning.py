@@ -17,9 +17,9 @@ from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
 from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan
-from remat.core.plan import Plan, Segment
-from remat.core.simulate import graph_step_peak, simulate_graph
-from remat.core.step import StepCosts, StepEvent, segment_state_bytes, step_peak
+from remat.core.plan import Plan
+from remat.core.simulate import checkpoint_spans, graph_step_peak, simulate_graph
+from remat.core.step import StepCosts, StepEvent, step_peak
 from remat.core.units import format_bytes, parse_bytes
 from remat.planners import (
     BudgetTooSmallError,
@@ -230,22 +230,19 @@ def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
 def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
     """The whole training step's peak of ``plan`` (:func:`remat.core.step.step_peak` over its
     simulated timeline on a chain or a module graph), with ``costs.checkpoint_state_bytes``
-    for every checkpointed segment: on a chain from the top-level segment's forward to its
-    backward (:func:`remat.core.step.segment_state_bytes`; its nested segments counted with it, an
-    upper bound: a nested one only exists while its parent recomputes)."""
+    per checkpointed segment from the top-level segment's forward to its backward
+    (:func:`remat.core.simulate.checkpoint_spans`; its nested segments counted with it, an
+    upper bound: a nested one only exists while its parent recomputes). A chain and its path
+    graph give the same number for every plan (the chain's plan read as its graph plan)."""
     if isinstance(structure, Graph):
         return graph_step_peak(structure, plan, costs)  # type: ignore[arg-type]
     plan = plan.for_chain(structure)  # type: ignore[union-attr]
-    timeline = chain_timeline(structure, plan)
-    if not costs.checkpoint_state_bytes:
-        return step_peak(timeline, costs)
-
-    def checkpoints(seg: Segment) -> int:
-        return int(seg.checkpoint) + sum(checkpoints(c) for c in seg.children)
-
-    top = [(s.start - 1, checkpoints(s)) for s in plan.segments if s.checkpoint]
-    states = segment_state_bytes(timeline, top, costs.checkpoint_state_bytes)
-    return step_peak(timeline, costs, states)
+    spans = (
+        checkpoint_spans(GraphPlan.from_chain_plan(plan, structure))
+        if costs.checkpoint_state_bytes
+        else ()
+    )
+    return step_peak(chain_timeline(structure, plan), costs, spans)
 
 
 def plan_for_step(

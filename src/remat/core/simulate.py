@@ -55,6 +55,7 @@ __all__ = [
     "simulate_graph",
     "simulate_step_peak",
     "graph_step_peak",
+    "checkpoint_spans",
     "lower_plan",
     "run_schedule",
     "GraphSimulation",
@@ -144,23 +145,34 @@ def graph_step_peak(
     graph: Graph, plan: GraphPlan, costs: StepCosts, order: Sequence[int] | None = None
 ) -> int:
     """:func:`remat.core.step.step_peak` of ``plan`` over the graph's simulated timeline
-    (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per recomputed segment,
-    nested ones included)."""
+    (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per checkpointed segment,
+    nested ones included, from the segment's forward to its backward: :func:`checkpoint_spans`)."""
     if len(costs.grad_bytes) != graph.n:
         raise ValueError(
             f"param_grad_bytes has {len(costs.grad_bytes)} entries; the graph has {graph.n} nodes"
         )
     timeline = simulate_graph(graph, plan, order).timeline
-    segments = _count_segments(plan.segments) if costs.checkpoint_state_bytes else 0
     return step_peak(
         (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline),
         costs,
-        segments * costs.checkpoint_state_bytes,
+        checkpoint_spans(plan, order),
     )
 
 
-def _count_segments(segments: Sequence[GraphSegment]) -> int:
-    return sum(1 + _count_segments(s.children) for s in segments)
+def checkpoint_spans(
+    plan: GraphPlan, order: Sequence[int] | None = None
+) -> tuple[tuple[int, int], ...]:
+    """Per top-level segment of ``plan``, ``(its first node in ``order``, the checkpointed
+    segments in its subtree)``: what :func:`remat.core.step.segment_state_bytes` reads. The
+    segment's checkpoint lives from that node's first forward to its backward, the segment's
+    last (as :func:`lower_plan` keeps the segment's frame); on a chain's path graph
+    (:meth:`GraphPlan.from_chain_plan`) node ``i`` is stage ``i + 1``."""
+    pos = {v: i for i, v in enumerate(order)} if order is not None else None
+
+    def first(seg: GraphSegment) -> int:
+        return seg.nodes[0] if pos is None else min(seg.nodes, key=pos.__getitem__)
+
+    return tuple((first(s), sum(1 for _ in s.walk())) for s in plan.segments)
 
 
 def lower_plan(

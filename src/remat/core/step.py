@@ -119,8 +119,8 @@ class StepCosts:
     checkpoint_state_bytes: int = 0
     """What the executor keeps per checkpointed segment until its backward (the RNG states
     saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
-    side and passed in as a number; :func:`remat.planning.step_peak_of` counts it for every
-    checkpointed segment of a plan."""
+    side and passed in as a number; :func:`step_peak` counts it for each checkpointed segment
+    from the segment's forward to its backward (:func:`segment_state_bytes`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_bytes", tuple(int(b) for b in self.grad_bytes))
@@ -154,24 +154,22 @@ class StepCosts:
 
 
 def step_peak(
-    timeline: Iterable[StepEvent], costs: StepCosts, checkpoint_bytes: int | Sequence[int] = 0
+    timeline: Iterable[StepEvent], costs: StepCosts, segments: Sequence[tuple[int, int]] = ()
 ) -> int:
-    """The whole step's peak: :attr:`StepCosts.held_bytes` + ``checkpoint_bytes`` (what the
-    executor keeps per checkpointed segment, the plan's RNG states: one number for the whole
-    step, or one per event of ``timeline``, :func:`segment_state_bytes`) + the parameter
-    gradients made so far + the timeline's bytes, maximised over the timeline, and the
-    optimizer step (:attr:`StepCosts.optimizer_phase_bytes`)."""
+    """The whole step's peak: :attr:`StepCosts.held_bytes` + the checkpoint states live (each
+    top-level checkpointed segment of ``segments``, ``(first index, checkpointed segments in
+    its subtree)``, keeps ``costs.checkpoint_state_bytes`` per checkpoint from its forward to
+    its backward: :func:`segment_state_bytes`) + the parameter gradients made so far + the
+    timeline's bytes, maximised over the timeline, and the optimizer step
+    (:attr:`StepCosts.optimizer_phase_bytes`). The one whole-step model of chains and graphs:
+    ``segments`` comes from :func:`remat.core.simulate.checkpoint_spans` for both."""
     timeline = list(timeline)
-    if isinstance(checkpoint_bytes, int):
-        states = [checkpoint_bytes] * len(timeline)
-    else:
-        states = list(checkpoint_bytes)
-        if len(states) != len(timeline):
-            raise ValueError(f"{len(states)} checkpoint-state entries for {len(timeline)} events")
-    timeline = [
-        e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
-        for e, b in zip(timeline, states, strict=True)
-    ]
+    if costs.checkpoint_state_bytes and segments:
+        states = segment_state_bytes(timeline, segments, costs.checkpoint_state_bytes)
+        timeline = [
+            e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
+            for e, b in zip(timeline, states, strict=True)
+        ]
     grads_of = costs.grad_bytes
     rise = costs.grad_rise_bytes or grads_of
     held = costs.held_bytes
@@ -200,11 +198,13 @@ def step_peak(
 def segment_state_bytes(
     timeline: Sequence[StepEvent], segments: Sequence[tuple[int, int]], state_bytes: int
 ) -> list[int]:
-    """Per event of a chain's ``timeline``, the bytes of checkpoint state live during it: a
-    checkpointed top-level segment starting at stage ``start`` (0-based) with ``count``
-    checkpointed segments in its subtree (``segments``: ``(start, count)`` pairs) keeps
-    ``count * state_bytes`` (the RNG state each checkpoint saves) from its forward to the end
-    of its stage's backward, when autograd frees the checkpoint with the segment's nodes."""
+    """Per event of a chain's or graph's ``timeline``, the bytes of checkpoint state live
+    during it: a checkpointed top-level segment whose first stage or node (in forward order,
+    0-based) is ``start``, with ``count`` checkpointed segments in its subtree (``segments``:
+    ``(start, count)`` pairs) keeps ``count * state_bytes`` (the RNG state each checkpoint
+    saves) from that first forward to the end of ``start``'s backward (the segment's last),
+    when autograd frees the checkpoint with the segment's nodes. Its nested segments are
+    counted with it, an upper bound: a nested one only exists while its parent recomputes."""
     weight = dict(segments)
     live = 0
     started: set[int] = set()  # once: a segment's recomputation runs its first stage again
