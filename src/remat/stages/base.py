@@ -183,10 +183,17 @@ class _CompositionCheck:
     and the input values afterwards, so the check has no side effects.
     """
 
-    def __init__(self, model: nn.Module, holder: list[Stages], what: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        holder: list[Stages],
+        what: str | None = None,
+        around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
         self.model = model
         self.holder = holder
         self.what = what  # how the errors name the stages (default: the named stages)
+        self.around = around  # a context around the model's own run (it records the calls)
         self.done = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -202,7 +209,8 @@ class _CompositionCheck:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 state = torch.get_rng_state()
                 cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-                expected = model(*args, **kwargs)
+                with self.around() if self.around is not None else contextlib.nullcontext():
+                    expected = model(*args, **kwargs)
                 for k, b in model.named_buffers():
                     b.copy_(buffers[k])
                 torch.set_rng_state(state)
