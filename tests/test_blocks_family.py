@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.capture import capture
 from remat.plans import Plan, Segment
 from remat.runtime import apply
 from remat.stages import StageMismatchError, run_stages, split_stages
@@ -341,6 +342,34 @@ def test_stages_passing_their_dimensions_are_a_chain_at_each_input_size() -> Non
         _, g1 = _step(planned.model, lambda m, x=x: planned(x).square().mean())
         for k in g0:
             torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_stages_passing_their_dimensions_plan_on_fake_tensors() -> None:
+    # a fake capture records the blocks' arguments on the model's own run on fake tensors
+    # (no values to compare): the same bytes per stage as the real capture
+    torch.manual_seed(0)
+    model = DimNet().train()
+    x = torch.randn(4, 3, 16, 16)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    fake = capture(copy.deepcopy(model), x, loss_fn=loss_fn, fake=True)
+    real = capture(copy.deepcopy(model), x, loss_fn=loss_fn)
+    assert fake.stages.kind == real.stages.kind == "blocks"
+    a, b = real.chain, fake.chain
+    assert (a.out_bytes, a.saved_bytes, a.input_bytes) == (
+        b.out_bytes,
+        b.saved_bytes,
+        b.input_bytes,
+    )
+    eager = copy.deepcopy(model)
+    planned, summary = remat.auto(model, x, loss_fn, fake=True)
+    assert "5 stages" in str(summary)
+    _, g0 = _step(eager, lambda m: loss_fn(m, x))
+    _, g1 = _step(model, lambda m: loss_fn(planned, x))
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 def test_stages_called_as_attributes_are_a_chain() -> None:

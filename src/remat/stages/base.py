@@ -52,6 +52,9 @@ class Stages:
     """Which structure was recognised: ``"sequential"``, ``"resnet"``, ``"gpt2"``, ``"named"``..."""
     check: Callable[..., None] | None = field(default=None, compare=False, repr=False)
     """Called with the model's arguments before a run; verifies user-named stages once."""
+    fake_check: Callable[..., None] | None = field(default=None, compare=False, repr=False)
+    """Called instead of ``check`` with the model's arguments as fake tensors (a fake capture:
+    no values to compare); the generic blocks record their calls' arguments with it."""
     split_again: Callable[[], Stages] | None = field(default=None, compare=False, repr=False)
     """Cuts the model again the same way (automatic or by the same names), after one of its
     submodules was replaced; None for hand-made stages."""

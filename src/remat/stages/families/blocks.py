@@ -150,7 +150,32 @@ def split(model: nn.Module) -> Stages | None:
         if key in checks:
             checks[key](*prepare(*args, **kwargs)[0], **prepare(*args, **kwargs)[1])
 
-    stages = Stages(tuple(modules), tuple(names), prepare, _finish, kind=KIND, check=check)
+    faked: set[tuple] = set()
+
+    def fake_check(*args: Any, **kwargs: Any) -> None:
+        # a fake capture: the calls' arguments recorded on the model's own run, on fake tensors
+        key = _shapes((args, kwargs))
+        if key in faked:
+            return
+        a, kw = prepare(*args, **kwargs)
+        try:
+            with torch.no_grad(), _Recording(spec):
+                model(*a, **kw)
+        except Exception as err:  # noqa: BLE001 - any failure: refused, the graph path plans
+            raise StageMismatchError(
+                f"{what} cannot be recorded on fake tensors: {type(err).__name__}: {err}"
+            ) from err
+        faked.add(key)
+
+    stages = Stages(
+        tuple(modules),
+        tuple(names),
+        prepare,
+        _finish,
+        kind=KIND,
+        check=check,
+        fake_check=fake_check,
+    )
     holder.append(stages)
     return stages
 
