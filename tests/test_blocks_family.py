@@ -103,6 +103,22 @@ class Changing(Tower):
         return self.head(h)
 
 
+class Counting(Tower):
+    """Each block gets a number that also changes call to call (not a function of the
+    input's shape): what was recorded does not hold on the next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.stem(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.bias, scale=float(i + self.calls))
+        return self.head(h)
+
+
 class ChangingTensor(Tower):
     """Each block gets another tensor: not a chain remat can cut."""
 
@@ -408,6 +424,7 @@ def test_image_stages_that_are_not_a_chain_are_refused(cls: type, what: str) -> 
         (SkipTower, "computed before them"),
         (AllHidden, "other than the last"),
         (ChangingTensor, "other arguments"),
+        (Counting, "other arguments"),
     ],
 )
 def test_forwards_that_are_not_a_chain_are_refused(cls: type, what: str) -> None:
