@@ -232,7 +232,8 @@ def _runs(module: nn.Module, prefix: str) -> list[tuple[str, list[tuple[str, nn.
     forward may call one after another as attributes (``x = self.layer1(x); x =
     self.layer2(x)``, timm's ResNet): two or more plain ``Sequential`` / ``ModuleList``
     children in a row (flattened into their blocks), or two or more children of one class in
-    a row (``self.block1``, ``self.block2``). Whether the forward does call them as a chain
+    a row (``self.block1``, ``self.block2``; not ``torch.nn``'s own layers). Whether the
+    forward does call them as a chain
     is checked on every run, as for a ``ModuleList``."""
     here = prefix + "." if prefix else ""
     children = items(module)
@@ -244,7 +245,9 @@ def _runs(module: nn.Module, prefix: str) -> list[tuple[str, list[tuple[str, nn.
         if _is_container(children[i][1]):
             while j < len(children) and _is_container(children[j][1]):
                 j += 1
-        else:
+        elif not type(children[i][1]).__module__.startswith("torch.nn"):
+            # blocks of a class of the model's own (two nn.Linear in a row are a layer and
+            # its projection more often than a chain of blocks)
             cls = type(children[i][1])
             while j < len(children) and type(children[j][1]) is cls:
                 j += 1
