@@ -1,4 +1,4 @@
-"""remat.stages: models cut into sequential stages compute exactly what the model computes."""
+"""remat.capture.stages: models cut into sequential stages compute exactly what the model computes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torchvision
 from torch import nn
 
-from remat.stages import (
+from remat.capture.stages import (
     StageMismatchError,
     Stages,
     UnsupportedModelError,
@@ -108,7 +108,7 @@ def test_subclass_with_own_forward_is_not_recognised():
     model = MyNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1]).eval()
     # not a ResNet to the splitter (its adapter would drop the * 2): the generic stages around
     # the stages its forward calls as attributes, layer1..layer4
-    # (remat.stages.families.blocks), checked against the model on the first call
+    # (remat.capture.stages.families.blocks), checked against the model on the first call
     stages = split_stages(model)
     assert stages.kind == "blocks"
     assert stages.names[1:-1] == ("layer1.0", "layer2.0", "layer3.0", "layer4.0")
