@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.capture.chain import capture
 from remat.capture.stages import StageMismatchError, run_stages, split_stages
 from remat.capture.stages.families import FAMILIES, blocks
 from remat.core.plan import Plan, Segment
@@ -93,13 +94,177 @@ class AllHidden(Tower):
 
 
 class Changing(Tower):
-    """Each block gets another extra argument: not a chain of identical calls."""
+    """Each block gets another number (a non-tensor argument): recorded per block."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
         for i, layer in enumerate(self.layers):
-            h = layer(h, self.bias, scale=float(i))
+            h = layer(h, self.bias, scale=float(i + 1))
         return self.head(h)
+
+
+class Counting(Tower):
+    """Each block gets a number that also changes call to call (not a function of the
+    input's shape): what was recorded does not hold on the next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.stem(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.bias, scale=float(i + self.calls))
+        return self.head(h)
+
+
+class ChangingTensor(Tower):
+    """Each block gets another tensor: not a chain remat can cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.bias * i)
+        return self.head(h)
+
+
+class DimStage(nn.Module):
+    """A Swin stage's calling convention: tokens ``(B, H*W, C)`` and their ``(H, W)``; returns
+    the downsampled tokens, the tokens before downsampling and ``(H, W, H/2, W/2)``."""
+
+    def __init__(self, width: int, down: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.down = down
+
+    def forward(self, x: torch.Tensor, dims: tuple[int, int], scale: float | None = None):
+        b, _, c = x.shape
+        h, w = dims
+        grid = self.norm(x).view(b, h, w, c).permute(0, 3, 1, 2)
+        y = x + torch.tanh(self.conv(grid)).flatten(2).transpose(1, 2)
+        if not self.down:
+            return y, y, (h, w, h, w)
+        pooled = nn.functional.avg_pool2d(y.transpose(1, 2).reshape(b, c, h, w), 2)
+        return pooled.flatten(2).transpose(1, 2), y, (h, w, h // 2, w // 2)
+
+
+class DimNet(nn.Module):
+    """Stages that pass their dimensions on (Hugging Face's Swin encoder)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, width, 2, stride=2)
+        self.layers = nn.ModuleList(DimStage(width, i < 2) for i in range(3))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.embed(x)
+        dims = (e.shape[2], e.shape[3])
+        h = nn.functional.dropout(e.flatten(2).transpose(1, 2), 0.2, self.training)
+        for layer in self.layers:
+            out = layer(h, dims)
+            h = out[0]
+            dims = (out[2][-2], out[2][-1])
+        return self.head(h.mean(1))
+
+
+class DimSkip(DimNet):
+    """The head reads a stage's tokens before downsampling (a skip past the blocks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.embed(x)
+        dims = (e.shape[2], e.shape[3])
+        h = e.flatten(2).transpose(1, 2)
+        before = []
+        for layer in self.layers:
+            out = layer(h, dims)
+            h, dims = out[0], (out[2][-2], out[2][-1])
+            before.append(out[1])
+        return self.head(h.mean(1) + before[0].mean(1))
+
+
+class Stem(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.drop(self.bn(self.conv(x))))
+
+
+class AttributeNet(nn.Module):
+    """timm's ResNet's shape: stages called as attributes (``self.layer1(x)``...), not in a
+    loop; each stage an ``nn.Sequential`` of residual blocks."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = Stem(width)
+        self.layer1 = nn.Sequential(Residual(width), Residual(width))
+        self.layer2 = nn.Sequential(Residual(width))
+        self.layer3 = nn.Sequential(Residual(width), Residual(width))
+        self.fc = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.layer1(x)
+        x = self.layer2(x)
+        x = self.layer3(x)
+        return self.fc(nn.functional.dropout(x.mean((2, 3)), 0.3, self.training))
+
+
+class NamedBlocks(nn.Module):
+    """Blocks of one class as attributes ``block1``, ``block2``, ... called one after another."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.block1 = Block(width)
+        self.block2 = Block(width)
+        self.block3 = Block(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        bias = torch.cos(torch.arange(h.shape[-1], dtype=h.dtype))
+        h = self.block1(h, bias)
+        h = self.block2(h, bias)
+        h = self.block3(h, bias)
+        return self.head(h)
+
+
+class Swapped(AttributeNet):
+    """The attribute stages called out of their registration order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.layer2(x)
+        x = self.layer1(x)
+        x = self.layer3(x)
+        return self.fc(x.mean((2, 3)))
+
+
+class Skipping(AttributeNet):
+    """The output of layer1 is added after layer3 (a skip past the stages in between)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.layer1(x)
+        x = self.layer3(self.layer2(y)) + y
+        return self.fc(x.mean((2, 3)))
 
 
 def _plans(n: int) -> list[Plan]:
@@ -167,12 +332,99 @@ def test_a_sequential_subclass_with_its_own_forward_is_a_chain() -> None:
     _check_plans(model, lambda m: m(x).square().mean())
 
 
+def test_blocks_called_with_other_numbers_each_are_a_chain() -> None:
+    # a non-tensor argument that differs block to block is recorded on the model's own run
+    # (the first call's check) and checked against the model's on every run
+    torch.manual_seed(0)
+    model = Changing().train()
+    x = torch.randn(6, 8)
+    _check_plans(model, lambda m: m(x).square().mean(), ("layers.0", "layers.3"))
+
+
+def test_stages_passing_their_dimensions_are_a_chain_at_each_input_size() -> None:
+    torch.manual_seed(0)
+    model = DimNet().train()
+    stages = split_stages(model)
+    assert stages.names[1:-1] == ("layers.0", "layers.1", "layers.2")
+    for size in (16, 8):  # another size: recorded again on its first call
+        x = torch.randn(2, 3, size, size)
+        _check_plans(model, lambda m, x=x: m(x).square().mean())
+    plan = _plans(stages.n)[1]
+    planned = apply(copy.deepcopy(model), plan, replan=lambda *a, **k: plan)
+    eager = copy.deepcopy(model)
+    for size in (16, 8, 16):  # one planned module, its input size changing
+        x = torch.randn(2, 3, size, size)
+        _, g0 = _step(eager, lambda m, x=x: m(x).square().mean())
+        _, g1 = _step(planned.model, lambda m, x=x: planned(x).square().mean())
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_stages_passing_their_dimensions_plan_on_fake_tensors() -> None:
+    # a fake capture records the blocks' arguments on the model's own run on fake tensors
+    # (no values to compare): the same bytes per stage as the real capture
+    torch.manual_seed(0)
+    model = DimNet().train()
+    x = torch.randn(4, 3, 16, 16)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    fake = capture(copy.deepcopy(model), x, loss_fn=loss_fn, fake=True)
+    real = capture(copy.deepcopy(model), x, loss_fn=loss_fn)
+    assert fake.stages.kind == real.stages.kind == "blocks"
+    a, b = real.chain, fake.chain
+    assert (a.out_bytes, a.saved_bytes, a.input_bytes) == (
+        b.out_bytes,
+        b.saved_bytes,
+        b.input_bytes,
+    )
+    eager = copy.deepcopy(model)
+    planned, summary = remat.auto(model, x, loss_fn, fake=True)
+    assert "5 stages" in str(summary)
+    _, g0 = _step(eager, lambda m: loss_fn(m, x))
+    _, g1 = _step(model, lambda m: loss_fn(planned, x))
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_stages_called_as_attributes_are_a_chain() -> None:
+    torch.manual_seed(0)
+    model = AttributeNet().train()
+    x = torch.randn(4, 3, 8, 8)
+    stages = split_stages(model)
+    assert stages.names[1:-1] == ("layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer3.1")
+    _check_plans(model, lambda m: m(x).square().mean())
+
+
+def test_blocks_of_one_class_called_as_attributes_are_a_chain() -> None:
+    torch.manual_seed(0)
+    model = NamedBlocks().train()
+    x = torch.randn(6, 8)
+    _check_plans(model, lambda m: m(x).square().mean(), ("block1", "block3"))
+
+
+@pytest.mark.parametrize(
+    "cls, what",
+    [(Swapped, "not a chain"), (Skipping, "other than the last"), (DimSkip, "other than the last")],
+)
+def test_image_stages_that_are_not_a_chain_are_refused(cls: type, what: str) -> None:
+    torch.manual_seed(0)
+    model = cls().train()
+    x = torch.randn(4, 3, 8, 8)
+    stages = split_stages(model)
+    assert stages.kind == "blocks"
+    with pytest.raises(StageMismatchError, match=what):
+        run_stages(stages, x)
+
+
 @pytest.mark.parametrize(
     "cls, what",
     [
         (SkipTower, "computed before them"),
         (AllHidden, "other than the last"),
-        (Changing, "other arguments"),
+        (ChangingTensor, "other arguments"),
+        (Counting, "other arguments"),
     ],
 )
 def test_forwards_that_are_not_a_chain_are_refused(cls: type, what: str) -> None:

@@ -360,6 +360,8 @@ def _measure_chain(
     args, kwargs = _model_arguments(model, loss_fn, batch)
     if split.check is not None and not fake:
         split.check(*args, **kwargs)  # compares values: not possible on fake tensors
+    if split.fake_check is not None and fake:
+        split.fake_check(*args, **kwargs)
     a0 = split.prepare(*args, **kwargs)
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])

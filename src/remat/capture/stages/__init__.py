@@ -36,9 +36,11 @@ Supported structures (detected exactly; a subclass that overrides ``forward`` is
   after another (:mod:`~remat.capture.stages.families.blocks`, tried last): a prefix stage (the forward
   up to the first block), one stage per block (plain ``Sequential`` children flattened: stages
   of stages), a suffix stage (the forward after the last block); the extra arguments of the
-  blocks (masks, position embeddings) travel with the hidden state. Hugging Face BERT, Qwen2,
-  OPT, ViT, timm's ViT, torchvision's ConvNeXt, Swin, RegNet, EfficientNet, an
-  ``nn.Sequential`` subclass with its own forward... That the forward is such a chain is checked
+  blocks (masks, position embeddings) travel with the hidden state, non-tensor ones that
+  differ block to block (Swin's dimensions) recorded per block. Hugging Face BERT, Qwen2,
+  OPT, ViT, Swin, timm's ViT and ResNet (stages called as attributes ``layer1..layer4``),
+  torchvision's ConvNeXt, Swin, RegNet, EfficientNet, an ``nn.Sequential`` subclass with its
+  own forward... That the forward is such a chain is checked
   on the first call and on every run (:class:`StageMismatchError` otherwise).
 * user-named boundaries: ``split_stages(model, ["layer1", "layer2", ...])`` with the FQNs of
   submodules whose composition in order equals the model (``"a+b"`` groups several submodules

@@ -21,8 +21,9 @@ SUPPORTED_HELP = (
     "remat can cut these models into stages automatically: any nn.Sequential (forward not "
     "overridden), torchvision ResNet / VGG / AlexNet / MobileNetV2 / MobileNetV3, Hugging Face "
     "GPT2LMHeadModel, LlamaForCausalLM and MistralForCausalLM, and any model whose forward "
-    "runs a ModuleList or Sequential of blocks one after another (the code before and after "
-    "them as two more stages; checked on the first call). For another model, name the stage "
+    "runs a ModuleList or Sequential of blocks one after another, or sibling stages called as "
+    "attributes (self.layer1(x), self.layer2(x), ...) (the code before and after them as two "
+    "more stages; checked on the first call). For another model, name the stage "
     "boundaries: split_stages(model, stages=['layer1', 'layer2', ...]) (or "
     "remat.apply(..., stages=[...])) with the fully-qualified names (model.named_modules()) of "
     "submodules that, applied in "
@@ -52,6 +53,9 @@ class Stages:
     """Which structure was recognised: ``"sequential"``, ``"resnet"``, ``"gpt2"``, ``"named"``..."""
     check: Callable[..., None] | None = field(default=None, compare=False, repr=False)
     """Called with the model's arguments before a run; verifies user-named stages once."""
+    fake_check: Callable[..., None] | None = field(default=None, compare=False, repr=False)
+    """Called instead of ``check`` with the model's arguments as fake tensors (a fake capture:
+    no values to compare); the generic blocks record their calls' arguments with it."""
     split_again: Callable[[], Stages] | None = field(default=None, compare=False, repr=False)
     """Cuts the model again the same way (automatic or by the same names), after one of its
     submodules was replaced; None for hand-made stages."""
@@ -183,10 +187,17 @@ class _CompositionCheck:
     and the input values afterwards, so the check has no side effects.
     """
 
-    def __init__(self, model: nn.Module, holder: list[Stages], what: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        holder: list[Stages],
+        what: str | None = None,
+        around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
         self.model = model
         self.holder = holder
         self.what = what  # how the errors name the stages (default: the named stages)
+        self.around = around  # a context around the model's own run (it records the calls)
         self.done = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -202,7 +213,8 @@ class _CompositionCheck:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 state = torch.get_rng_state()
                 cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-                expected = model(*args, **kwargs)
+                with self.around() if self.around is not None else contextlib.nullcontext():
+                    expected = model(*args, **kwargs)
                 for k, b in model.named_buffers():
                     b.copy_(buffers[k])
                 torch.set_rng_state(state)

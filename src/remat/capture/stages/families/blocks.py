@@ -7,14 +7,21 @@ model without an adapter per family:
 * **the blocks**: the model's ``ModuleList`` / ``Sequential`` (the model itself included) whose
   children cover the most parameters (then the most children), with children that are plain
   ``nn.Sequential`` flattened into theirs (stages of stages: torchvision's ConvNeXt, Swin,
-  RegNet, EfficientNet ``features``); a child with ``inplace=True`` joins the block before it;
+  RegNet, EfficientNet ``features``); a child with ``inplace=True`` joins the block before it.
+  A run of sibling submodules that a forward calls as attributes is a candidate too (two or
+  more plain ``Sequential`` children in a row, flattened: timm's ResNet ``layer1..layer4``; or
+  two or more children of one class in a row: ``block1``, ``block2``);
 * **the prefix stage** runs the model's own ``forward`` up to the first block's call and returns
   that call's arguments: the hidden state (the first positional argument, or the keyword
   ``hidden_states``) and the rest (attention masks, position embeddings, encoder states), which
   travel with the hidden state through every block stage, as in the model;
 * **block stage ``k``** calls block ``k`` with the hidden state and the rest; its output (a
-  tensor, or a tuple whose first item is the hidden state and whose other items hold no tensor)
-  gives the next hidden state;
+  tensor, or a tuple whose first item is the hidden state and whose other items hold no tensor
+  nested in a container) gives the next hidden state. Where block ``k`` takes other non-tensor
+  arguments than the first block (Hugging Face Swin's stages each take their ``(H, W)``,
+  computed from the stage before's output), they are recorded on the model's own run (the
+  first call's check, again on the first call with each new input shape) per block and shape
+  of its input, and block stage ``k`` calls it with them;
 * **the suffix stage** runs the model's ``forward`` again, the code before the blocks without
   grad (and with the RNG state and batch-norm statistics put back afterwards), every block
   call answered with the last block's output without running it, and the code after the blocks
@@ -27,7 +34,9 @@ path) otherwise:
 
 * each run of the suffix checks that the blocks are called in order, exactly once each, each
   with the previous block's output and with the same other arguments as the first block (a
-  chain); that no value computed before the blocks reaches the code after them other than
+  chain; block ``k``'s non-tensor arguments, as the model computes them from the block
+  outputs the re-run answers with, must be those block stage ``k`` used); that no value
+  computed before the blocks reaches the code after them other than
   through the blocks (it would be the re-run's, without grad and, for a random op, with other
   values); and that no block's output but the last is used outside the next block (a skip
   connection, or ``output_hidden_states=True``);
@@ -38,7 +47,10 @@ Known limitations: the code before the blocks runs twice (once more without grad
 suffix): cheap for embeddings and stems. The parameters outside the blocks are attributed to
 the suffix stage (their gradients counted at its backward), as the splitter cannot know without
 running the model which of them the prefix uses. A model with several lists of blocks run one
-after the other (an encoder and a decoder) gets a chain over one of them only.
+after the other (an encoder and a decoder) gets a chain over one of them only. Blocks that take
+a tensor the block before returns besides the hidden state (T5's position bias) are refused.
+Planning on fake tensors records no arguments (the check compares values): blocks whose
+arguments differ are refused there, and take the module-graph path.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.capture.stages.base import (
@@ -63,7 +75,16 @@ from remat.capture.stages.base import (
 )
 
 KIND = "blocks"
-_DROPPED = object()  # a tensor of a block's output other than its hidden state
+_TENSOR = object()  # in a recorded call: the tensor the first block takes at this place
+
+
+@dataclass(frozen=True)
+class _Dropped:
+    """A tensor of a block's output other than its hidden state (its shape)."""
+
+    shape: tuple[int, ...]
+
+
 _METADATA = {
     "__get__",
     "size",
@@ -103,8 +124,10 @@ def split(model: nn.Module) -> Stages | None:
             groups.append([(name, leaf)])
     modules: list[nn.Module] = [prefix]
     names = ["(before the blocks)"]
+    index = 0
     for g in groups:
-        modules.append(_Block(spec, [m for _, m in g]))
+        modules.append(_Block(spec, [m for _, m in g], range(index, index + len(g))))
+        index += len(g)
         names.append("+".join(n for n, _ in g))
     modules.append(_Suffix(spec, outside, prefix))
     names.append("(after the blocks)")
@@ -115,12 +138,44 @@ def split(model: nn.Module) -> Stages | None:
         return (args, _without_cache(model, kwargs) if no_cache else kwargs)
 
     holder: list[Stages] = []
-    compare = _CompositionCheck(model, holder, what=f"the stages around the blocks {path!r}")
+    what = f"the stages around the blocks {path!r}"
+    checks: dict[tuple, _CompositionCheck] = {}
 
     def check(*args: Any, **kwargs: Any) -> None:
-        compare(*prepare(*args, **kwargs)[0], **prepare(*args, **kwargs)[1])
+        # once; and once more for each new input shape when the blocks take arguments that
+        # differ block to block (recorded for each shape: _Recording)
+        key = _shapes((args, kwargs))
+        if key not in checks and (not checks or spec.recorded):
+            checks[key] = _CompositionCheck(model, holder, what, around=lambda: _Recording(spec))
+        if key in checks:
+            checks[key](*prepare(*args, **kwargs)[0], **prepare(*args, **kwargs)[1])
 
-    stages = Stages(tuple(modules), tuple(names), prepare, _finish, kind=KIND, check=check)
+    faked: set[tuple] = set()
+
+    def fake_check(*args: Any, **kwargs: Any) -> None:
+        # a fake capture: the calls' arguments recorded on the model's own run, on fake tensors
+        key = _shapes((args, kwargs))
+        if key in faked:
+            return
+        a, kw = prepare(*args, **kwargs)
+        try:
+            with torch.no_grad(), _Recording(spec):
+                model(*a, **kw)
+        except Exception as err:  # noqa: BLE001 - any failure: refused, the graph path plans
+            raise StageMismatchError(
+                f"{what} cannot be recorded on fake tensors: {type(err).__name__}: {err}"
+            ) from err
+        faked.add(key)
+
+    stages = Stages(
+        tuple(modules),
+        tuple(names),
+        prepare,
+        _finish,
+        kind=KIND,
+        check=check,
+        fake_check=fake_check,
+    )
     holder.append(stages)
     return stages
 
@@ -147,20 +202,66 @@ def _without_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- finding the blocks
 def _find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
+    """The candidate list of blocks covering the most parameters (then the most blocks, then
+    the shallowest): a ``ModuleList`` / ``Sequential``, or a run of sibling submodules a
+    forward calls as attributes (:func:`_runs`)."""
     best: tuple[tuple[int, int, int], str, list[tuple[str, nn.Module]]] | None = None
     for depth_name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        leaves = _leaves(module, depth_name)
-        if len(leaves) < 2:
-            continue
-        params = {id(p): p.numel() for _, m in leaves for p in m.parameters()}
-        score = (sum(params.values()), len(leaves), -depth_name.count("."))
-        if best is None or score > best[0]:
-            best = (score, depth_name, leaves)
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            found = [(depth_name, _leaves(module, depth_name), depth_name.count("."))]
+        else:
+            found = _runs(module, depth_name)
+        for path, leaves, depth in found:
+            if len(leaves) < 2:
+                continue
+            params = {id(p): p.numel() for _, m in leaves for p in m.parameters()}
+            score = (sum(params.values()), len(leaves), -depth)
+            if best is None or score > best[0]:
+                best = (score, path, leaves)
     if best is None:
         return None
     return best[1], best[2]
+
+
+def _is_container(module: nn.Module) -> bool:
+    return type(module) is nn.ModuleList or same_forward(module, nn.Sequential, "forward")
+
+
+def _runs(module: nn.Module, prefix: str) -> list[tuple[str, list[tuple[str, nn.Module]], int]]:
+    """Runs of consecutive submodules of ``module`` (not itself a list of blocks) that a
+    forward may call one after another as attributes (``x = self.layer1(x); x =
+    self.layer2(x)``, timm's ResNet): two or more plain ``Sequential`` / ``ModuleList``
+    children in a row (flattened into their blocks), or two or more children of one class in
+    a row (``self.block1``, ``self.block2``; not ``torch.nn``'s own layers). Whether the
+    forward does call them as a chain
+    is checked on every run, as for a ``ModuleList``."""
+    here = prefix + "." if prefix else ""
+    children = items(module)
+    out: list[tuple[str, list[tuple[str, nn.Module]], int]] = []
+    depth = here.count(".")
+    i = 0
+    while i < len(children):
+        j = i + 1
+        if _is_container(children[i][1]):
+            while j < len(children) and _is_container(children[j][1]):
+                j += 1
+        elif not type(children[i][1]).__module__.startswith("torch.nn"):
+            # blocks of a class of the model's own (two nn.Linear in a row are a layer and
+            # its projection more often than a chain of blocks)
+            cls = type(children[i][1])
+            while j < len(children) and type(children[j][1]) is cls:
+                j += 1
+        if j - i >= 2:
+            run = children[i:j]
+            leaves: list[tuple[str, nn.Module]] = []
+            for name, child in run:
+                if _is_container(child):
+                    leaves.extend(_leaves(child, here + name))
+                else:
+                    leaves.append((here + name, child))
+            out.append((f"{here}{run[0][0]}..{run[-1][0]}", leaves, depth))
+        i = j
+    return out
 
 
 def _leaves(container: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
@@ -210,10 +311,87 @@ class _Spec:
 
     model: nn.Module
     leaves: tuple[nn.Module, ...]
-    out_template: Any = None
-    """A block's output with its hidden state replaced by None (set by the block stages)."""
-    out_kind: str = "tensor"
-    norms: list[nn.Module] = field(default_factory=list)
+    outs: dict[int, Any] = field(default_factory=dict)
+    """Block ``k``'s output in this step: its hidden state's shape, and the rest of a tuple
+    output (tensors as :class:`_Dropped`); set by the block stages, answered by the re-run."""
+    recorded: dict[tuple[int, tuple[int, ...]], list[Any]] = field(default_factory=dict)
+    """The other arguments of block ``k`` (k > 0) where they differ from the first block's
+    (non-tensor values only, e.g. Swin's stage dimensions), flattened, recorded on the
+    model's own run by the check, per block and shape of the block's input."""
+    used: dict[int, list[Any] | None] = field(default_factory=dict)
+    """The recorded arguments each block stage used in this step (None: the first block's)."""
+
+    def rest_for(self, k: int, hidden: torch.Tensor, rest: tuple) -> tuple:
+        """Block ``k``'s other arguments: the first block's, or those recorded for it."""
+        rec = self.recorded.get((k, tuple(hidden.shape))) if k > 0 else None
+        self.used[k] = rec
+        if rec is None:
+            return rest
+        flat, tree = tree_flatten(rest)
+        if len(flat) != len(rec):
+            raise StageMismatchError(
+                f"{type(self.model).__name__}'s first block took other arguments than when "
+                f"block {k + 1}'s were recorded: its blocks are not a chain"
+            )
+        return tree_unflatten(
+            [f if r is _TENSOR else r for f, r in zip(flat, rec, strict=True)], tree
+        )
+
+
+def _shapes(tree: Any) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+        for t in tree_flatten(tree)[0]
+    )
+
+
+class _Recording:
+    """While the check runs the model itself: the other arguments of every block call that
+    differ from the first block's in non-tensor values only (tensors must be the first
+    block's own), into :attr:`_Spec.recorded`."""
+
+    def __init__(self, spec: _Spec) -> None:
+        self.spec = spec
+        self.calls = 0
+        self.first: tuple[list[Any], Any] | None = None
+
+    def __enter__(self) -> _Recording:
+        leaves = self.spec.leaves
+        self.handles = [
+            leaf.register_forward_pre_hook(self._hook, with_kwargs=True)
+            for leaf in dict.fromkeys(leaves)
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        spec, k = self.spec, self.calls
+        self.calls += 1
+        if k >= len(spec.leaves) or spec.leaves[k] is not module:
+            return  # not a chain: the stages' own checks refuse it
+        try:
+            hidden, rest = _split_call(spec, args, kwargs)
+        except StageMismatchError:
+            return
+        flat, tree = tree_flatten(rest)
+        if k == 0:
+            self.first = (flat, tree)
+            return
+        if self.first is None or tree != self.first[1]:
+            return
+        rec: list[Any] = []
+        for x, x0 in zip(flat, self.first[0], strict=True):
+            if isinstance(x, torch.Tensor) or isinstance(x0, torch.Tensor):
+                if x is not x0:
+                    return  # another tensor: not recorded (the re-run refuses it)
+                rec.append(_TENSOR)
+            else:
+                rec.append(x)
+        if not _same(flat, self.first[0]):
+            spec.recorded[(k, tuple(hidden.shape))] = rec
 
 
 class _Reached(Exception):
@@ -327,32 +505,35 @@ def _call_block(block: nn.Module, hidden: torch.Tensor, rest: tuple) -> Any:
 class _Block(_Holder):
     """One block (or a block and the in-place modules after it) on the hidden state."""
 
-    def __init__(self, spec: _Spec, blocks: Sequence[nn.Module]) -> None:
+    def __init__(self, spec: _Spec, blocks: Sequence[nn.Module], index: range) -> None:
         super().__init__(spec)
         self.blocks = nn.ModuleList(blocks)
+        self.index = tuple(index)
 
     def forward(self, a: tuple) -> tuple:
         hidden, rest, inputs = a
-        for block in self.blocks:
-            out = _call_block(block, hidden, rest)
-            hidden = self._hidden_of(block, out)
+        for k, block in zip(self.index, self.blocks, strict=True):
+            out = _call_block(block, hidden, self.spec.rest_for(k, hidden, rest))
+            hidden = self._hidden_of(k, block, out)
         return hidden, rest, inputs
 
-    def _hidden_of(self, block: nn.Module, out: Any) -> torch.Tensor:
+    def _hidden_of(self, k: int, block: nn.Module, out: Any) -> torch.Tensor:
         spec = self.spec
         if isinstance(out, torch.Tensor):
-            spec.out_template, spec.out_kind = None, "tensor"
+            spec.outs[k] = (tuple(out.shape), None)
             return out
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             # other tensors (attention weights) are dropped: the suffix's re-run answers them
             # with values it refuses to see used (_Rerun)
-            others = [_DROPPED if isinstance(t, torch.Tensor) else t for t in out[1:]]
+            others = [
+                _Dropped(tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in out[1:]
+            ]
             if any(isinstance(t, torch.Tensor) for t in tree_flatten(others)[0]):
                 raise StageMismatchError(
                     f"block {type(block).__name__} returns tensors nested in its output "
                     "besides its hidden state: not a chain remat can cut"
                 )
-            spec.out_template, spec.out_kind = (type(out), others), "sequence"
+            spec.outs[k] = (tuple(out[0].shape), (type(out), others))
             return out[0]
         raise StageMismatchError(
             f"block {type(block).__name__} returns a {type(out).__name__}; remat's generic "
@@ -441,25 +622,35 @@ class _Rerun:
                     f"{name}'s block {k + 1} is not called with block {k}'s output: its "
                     "blocks are not a chain (code runs between them)"
                 )
-            if not _same(flat, self.first_rest or []):
+            first = self.first_rest or []
+            rec = spec.used.get(k)  # what block stage k was called with in this step
+            if rec is not None and len(rec) == len(first):
+                first = [f if r is _TENSOR else r for f, r in zip(first, rec, strict=True)]
+            if not _same(flat, first):
                 raise StageMismatchError(
                     f"{name}'s block {k + 1} is called with other arguments than the first "
                     "block (besides the hidden state): its blocks are not a chain"
                 )
         self.calls += 1
         last = self.calls == len(spec.leaves)
-        out = self.hidden if last else self._stale()
+        if k not in spec.outs:
+            raise StageMismatchError(f"{name}'s block {k + 1} did not run before the suffix")
+        shape, template = spec.outs[k]
+        out = self.hidden if last else self._stale(shape)
         self.last_out = out
-        if spec.out_kind == "tensor":
+        if template is None:
             return out
-        cls, others = spec.out_template
-        seq = [out, *(self._stale() if t is _DROPPED else t for t in others)]
+        cls, others = template
+        seq = [out, *(self._stale(t.shape) if isinstance(t, _Dropped) else t for t in others)]
         return tuple(seq) if cls is tuple else cls(seq)
 
-    def _stale(self) -> torch.Tensor:
-        """A tensor standing for a block output the chain did not keep: using it is refused."""
+    def _stale(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor standing for a block output the chain did not keep, of its shape (a view of
+        the last block's output, no memory of its own): using its values is refused."""
         with torch._C.DisableTorchFunction():
             out = self.hidden.detach()
+            if tuple(out.shape) != shape:
+                out = out.as_strided(shape, (0,) * len(shape), out.storage_offset())
         self.stale.append(out)
         if self.guard is not None:
             self.guard.stale[out] = True
