@@ -19,7 +19,10 @@ arguments and re-plans it under the same budget and planner (chain and graph pat
 :class:`remat.runtime.SignaturePlans`), or raises
 :class:`~remat.planners.BudgetTooSmallError` naming the minimum for that shape. A re-plan sees
 only the model's arguments, so it measures the loss as :func:`remat.runtime.call_loss` does
-(the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A model that cannot be split into
+(the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A training call made with
+every parameter gradient already held (gradient accumulation over microbatches, a loop without
+``zero_grad(set_to_none=True)``), or after parameters were frozen or unfrozen, is re-planned
+for that state too (:func:`remat.runtime.step_state`), or refused naming its minimum. A model that cannot be split into
 stages (branches, skips across blocks) is planned as a module graph instead, with a warning:
 ``checkmate-milp`` under the budget, Re-forwarding without one, run by the graph executor
 (that path counts every parameter gradient for the whole backward, and its plan is made for
