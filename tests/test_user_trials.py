@@ -37,7 +37,7 @@ from torch import nn
 
 import remat
 from remat.auto import AutoSummary, auto
-from remat.measure import step_peak_bytes
+from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
 
 Step = Callable[[nn.Module], torch.Tensor]
