@@ -19,7 +19,10 @@ arguments and re-plans it under the same budget and planner (chain and graph pat
 :class:`remat.execute.chain.SignaturePlans`), or raises
 :class:`~remat.planners.BudgetTooSmallError` naming the minimum for that shape. A re-plan sees
 only the model's arguments, so it measures the loss as :func:`remat.execute.chain.call_loss` does
-(the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A model that cannot be split into
+(the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A training call made with
+every parameter gradient already held (gradient accumulation over microbatches, a loop without
+``zero_grad(set_to_none=True)``), or after parameters were frozen or unfrozen, is re-planned
+for that state too (:func:`remat.execute.chain.step_state`), or refused naming its minimum. A model that cannot be split into
 stages (branches, skips across blocks) is planned as a module graph instead, with a warning:
 ``checkmate-milp`` under the budget, Re-forwarding without one, run by the graph executor
 (that path counts every parameter gradient for the whole backward, and its plan is made for
@@ -33,7 +36,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +57,8 @@ from remat.execute.chain import (
     call_loss,
     compile_options,
     input_signature,
+    replanning_state,
+    step_state,
 )
 from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
@@ -438,12 +443,14 @@ def _auto_graph(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
 
-    def costs_of(trace: Any) -> StepCosts:
+    def costs_of(trace: Any, now: _Trained | None = None) -> StepCosts:
         grads = list(trace.param_grad_bytes)
+        fixed_now, _, step_now, live = now or (fixed, grads, step_bytes, False)
         return StepCosts(
-            persistent_bytes=fixed - sum(grads),
+            persistent_bytes=fixed_now - sum(grads),
             grad_bytes=tuple(grads),
-            optimizer_step_bytes=step_bytes,
+            optimizer_step_bytes=step_now,
+            grads_live=live,
             output_held_bytes=output_held_bytes(
                 loop, trace.output_bytes, _criterion_bytes(loss_fn, batch, trace)
             ),
@@ -451,10 +458,12 @@ def _auto_graph(
             slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
         )
 
-    def plan_traced(trace: Any, spec: int | float | str | None) -> tuple[Any, ...]:
+    def plan_traced(
+        trace: Any, spec: int | float | str | None, now: _Trained | None = None
+    ) -> tuple[Any, ...]:
         """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
         graph = trace.graph
-        costs = costs_of(trace)
+        costs = costs_of(trace, now)
         unplanned = step_peak_of(graph, GraphPlan.none(), costs)
         total = None if spec is None else resolve_budget(spec, unplanned)
         chosen = plan_for_step(graph, costs, total)  # checkmate-milp / reforward / none
@@ -481,8 +490,11 @@ def _auto_graph(
         if held:
             more = dataclasses.replace(new.graph, input_bytes=new.graph.input_bytes + held)
             new = dataclasses.replace(new, graph=more)
-        with _for_new_inputs(args, kwargs):
-            return plan_traced(new, spec)[1], new.graph
+        now = _trained_now(model, optimizer, list(new.param_grad_bytes))
+        with _for_new_inputs(args, kwargs, now.live):
+            return plan_traced(new, spec, now)[1], new.graph
+
+    replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
     planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
@@ -542,21 +554,51 @@ def _loss_margin(
     return margin
 
 
+class _Trained(NamedTuple):
+    """What a re-plan reads from the model as it is at the training call (the
+    :func:`remat.execute.chain.step_state` the plan is made for)."""
+
+    fixed: int
+    """:func:`fixed_bytes` now (the parameters that train now have gradients)."""
+    grads: list[int]
+    """Per stage or graph node, the gradient bytes of the parameters that train now."""
+    step_bytes: int
+    """The optimizer step's temporaries now."""
+    live: bool
+    """Gradients are live when the forward starts (accumulation, no ``zero_grad``)."""
+
+
+def _trained_now(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, grads: list[int]
+) -> _Trained:
+    live = (replanning_state() or step_state(model))[0]
+    return _Trained(
+        fixed_bytes(model, optimizer), grads, optimizer_costs(model, optimizer)[1], live
+    )
+
+
 @contextlib.contextmanager
-def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
-    """A budget too small for a re-planned input shape says which shape."""
+def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[None]:
+    """A budget too small for a re-planned input shape says which shape (and that the
+    gradients were live, where they were)."""
 
     try:
         yield
     except BudgetTooSmallError as err:
         shape = _describe_signature(input_signature(*args, **kwargs))
+        held = (
+            " with every parameter gradient already held (gradient accumulation, or no "
+            "zero_grad(set_to_none=True) before the step)"
+            if live
+            else ""
+        )
         raise BudgetTooSmallError(
             err.budget_bytes,
             err.minimum_bytes,
             err.method,
-            f"re-planning the training step for the new inputs {shape}: the plan depends on "
-            "the batch shape; raise the budget to the minimum or call the model on smaller "
-            "inputs",
+            f"re-planning the training step for the new inputs {shape}{held}: the plan depends"
+            " on the batch shape and on the gradients held; raise the budget to the minimum or"
+            " call the model on smaller inputs",
             kind="whole-step",
         ) from err
 
@@ -668,12 +710,14 @@ def auto(
     grads = stage_grad_bytes(captured.stages)
     slack = SCRATCH_MIN_BYTES  # allocator-only bytes no capture counts (wrapped scalars)
 
-    def costs_of(new: Captured) -> StepCosts:
+    def costs_of(new: Captured, now: _Trained | None = None) -> StepCosts:
+        fixed_now, grads_now, step_now, live = now or (fixed, grads, step_bytes, False)
         return StepCosts(
-            persistent_bytes=fixed - sum(grads),
-            grad_bytes=tuple(grads),
+            persistent_bytes=fixed_now - sum(grads_now),
+            grad_bytes=tuple(grads_now),
             grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
-            optimizer_step_bytes=step_bytes,
+            optimizer_step_bytes=step_now,
+            grads_live=live,
             output_held_bytes=output_held_bytes(
                 loop, new.output_bytes, _criterion_bytes(loss_fn, batch, new)
             ),
@@ -685,9 +729,11 @@ def auto(
     def unplanned_peak(new: Captured) -> int:
         return step_peak_of(new.chain, Plan.none(new.chain), costs_of(new))
 
-    def plan_captured(new: Captured, spec: int | float | str | None) -> tuple[Plan, int | None]:
+    def plan_captured(
+        new: Captured, spec: int | float | str | None, now: _Trained | None = None
+    ) -> tuple[Plan, int | None]:
         total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
-        return plan_for_step(new.chain, costs_of(new), total, method), total  # type: ignore[return-value]
+        return plan_for_step(new.chain, costs_of(new, now), total, method), total  # type: ignore[return-value]
 
     try:
         chosen, total = plan_captured(captured, budget)
@@ -733,8 +779,11 @@ def auto(
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             new = dataclasses.replace(new, chain=chain)
-        with _for_new_inputs(args, kwargs):
-            return plan_captured(new, spec)[0]
+        now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
+        with _for_new_inputs(args, kwargs, now.live):
+            return plan_captured(new, spec, now)[0]
+
+    replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
     planned = apply(
         model, chosen, stages=captured.stages, example=example, replan=replan, compile=compile

@@ -89,7 +89,7 @@ from remat.core.plan import Plan
 from remat.core.step import StepCosts
 from remat.core.units import format_bytes, format_time, resolve_budget
 from remat.execute.chain import PlannedModule, apply
-from remat.guards import check_not_wrapped
+from remat.guards import BufferSnapshot, check_not_wrapped
 from remat.levers import Precision, compress_saved_activations, magnitude_prune, make_grad_scaler
 from remat.levers.microbatch import MicroBatcher, batch_size, split_batch
 from remat.levers.sparsity import predicted_sparse_bytes
@@ -898,7 +898,7 @@ def _preserved(
 ) -> Iterator[None]:
     """Restore parameters, gradients, buffers, optimizer and scaler state and the RNG on exit."""
     params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = BufferSnapshot(model)
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
     devices = sorted({p.device.index or 0 for p, _, _ in params if p.device.type == "cuda"})
@@ -910,8 +910,7 @@ def _preserved(
             for p, value, grad in params:
                 p.copy_(value)
                 p.grad = grad
-            for b, value in buffers:
-                b.copy_(value)
+        buffers.restore()
         if optimizer is not None and opt_state is not None:
             optimizer.load_state_dict(opt_state)
         if scaler is not None and scaler_state is not None:

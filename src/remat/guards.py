@@ -170,3 +170,29 @@ class BatchCopy:
         if written:
             self._tensors = [(t, key, _version(t)) for t, key, _ in self._tensors]
         return self.batch
+
+
+class BufferSnapshot:
+    """A model's buffers now, to be put back after a measuring or checking run: each buffer
+    slot's tensor and a copy of its values. A forward may update a buffer in place (batch
+    norm's running statistics, a moving average) or assign a new tensor to its name
+    (``self.calls = self.calls + 1``); :meth:`restore` undoes both (copying values back into
+    the buffers alone missed the second: the capture's steps stayed counted)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.slots = [
+            (m, name, b, b.detach().clone())
+            for m in model.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [b for _, _, b, _ in self.slots]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for m, name, b, saved in self.slots:
+                m._buffers[name] = b
+                b.copy_(saved)

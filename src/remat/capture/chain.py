@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
-from remat.guards import BatchCopy, _versions, in_place_input_error
+from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
@@ -203,9 +203,9 @@ def _capture(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        buffers = BufferSnapshot(model)
         grads = {p: p.grad for p in model.parameters()}
-        devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+        devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
         private = BatchCopy(batch)  # the model may write into its input: never the caller's
         try:
             with torch.random.fork_rng(devices=devices):
@@ -216,9 +216,7 @@ def _capture(
                     saved = _compiled_saved_bytes(model, split, private.batch, loss_fn, compile)
                     chain = _with_saved_bytes(chain, saved)
         finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+            buffers.restore()
             for p, g in grads.items():
                 p.grad = g
     return Captured(chain, split, rises, *output)

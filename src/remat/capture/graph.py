@@ -95,7 +95,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.core.graph import Graph, Node
-from remat.guards import BatchCopy, check_no_own_checkpointing
+from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import garbage_collected, output_tensors, scratch_bytes
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
@@ -901,17 +901,19 @@ def _timing_hooks(grad_fns: dict[Any, int], seconds: list[float]) -> list[Any]:
 
 @contextmanager
 def _preserved(model: nn.Module) -> Iterator[None]:
-    """Restore buffers, parameter gradients and the RNG state afterwards."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """Restore buffers, parameter gradients and the RNG state afterwards. The gradients are
+    set aside first: a trace's backward must not add into the caller's (a re-plan while
+    gradients accumulate over microbatches)."""
+    buffers = BufferSnapshot(model)
     grads = {p: p.grad for p in model.parameters()}
-    devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+    for p in grads:
+        p.grad = None
+    devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        buffers.restore()
         for p, g in grads.items():
             p.grad = g
 

@@ -31,7 +31,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -60,6 +60,8 @@ __all__ = [
     "SignaturePlans",
     "input_signature",
     "call_loss",
+    "step_state",
+    "replanning_state",
 ]
 
 
@@ -133,6 +135,37 @@ def call_loss(model: nn.Module, call: tuple[tuple, dict]) -> torch.Tensor:
     return loss_from_output(model(*args, **kwargs))
 
 
+def step_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
+    """What a training step's memory depends on beside its inputs: whether parameter
+    gradients are live when the forward starts (gradient accumulation over microbatches, a
+    loop without ``zero_grad(set_to_none=True)``: every gradient is held through the whole
+    step), and which parameters train (a parameter unfrozen after planning gets a gradient).
+    """
+    live = False
+    trains = []
+    for p in model.parameters():
+        trains.append(p.requires_grad)
+        live = live or (p.requires_grad and p.grad is not None)
+    return live, tuple(trains)
+
+
+_REPLANNING_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_replanning_state")
+
+
+def replanning_state() -> tuple[bool, tuple[bool, ...]] | None:
+    """Inside a ``replan`` called by :class:`SignaturePlans`: the :func:`step_state` of the
+    planned module being called (its own model's, also for a ``copy.deepcopy`` of it, whose
+    ``replan`` still closes over the original model); None elsewhere."""
+    return _REPLANNING_STATE.get(None)
+
+
+def planned_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
+    """The :func:`step_state` a plan of :func:`remat.auto` is made for: no gradient live at
+    the forward's start (``zero_grad(set_to_none=True)`` before the step), the parameters that
+    train now."""
+    return False, step_state(model)[1]
+
+
 class SignaturePlans:
     """What a planned module runs for each input signature: the one place (chain and graph
     executors) where a training call with new input shapes is re-planned or refused.
@@ -142,6 +175,13 @@ class SignaturePlans:
     makes a plan and ``build(plan, args, kwargs)`` what runs it; results are cached per
     signature. Without ``replan`` a new signature raises :class:`SignatureMismatchError`
     saying ``what_to_do``.
+
+    With a ``replan`` marked ``replan.plans_for_step_state = True`` (:func:`remat.auto`'s),
+    the ``state`` :meth:`lookup` is given (:func:`step_state`: gradients live at the forward's
+    start, which parameters train) is part of the key too: a training call in another state
+    than ``initial_state`` (the one ``current`` was planned for) is re-planned as well, and
+    ``replan`` plans for that state (:func:`replanning_state`). Other ``replan`` callables are
+    called for new input signatures only.
     """
 
     def __init__(
@@ -151,30 +191,40 @@ class SignaturePlans:
         replan: Callable[..., Any] | None,
         build: Callable[[Any, tuple, dict], Any],
         what_to_do: str,
+        initial_state: Any = None,
     ) -> None:
         self.current = current
-        self.signature = signature
+        self.signature: tuple | None = None
         self.replan = replan
         self.build = build
         self.what_to_do = what_to_do
-        self.cache: dict[tuple, Any] = {}
-        if signature is not None:
-            self.cache[signature] = current
+        self.stateful = bool(getattr(replan, "plans_for_step_state", False))
+        self.initial_state = initial_state
+        self.key: Any = None
+        self.cache: dict[Any, Any] = {}
+        self.set(signature, current)
 
-    def set(self, signature: tuple | None, current: Any) -> None:
+    def _key(self, signature: tuple, state: Any) -> Any:
+        return (signature, state) if self.stateful else signature
+
+    def set(self, signature: tuple | None, current: Any, state: Any = None) -> None:
+        """``current`` runs ``signature`` (in ``state``; default: the initial state)."""
         self.current, self.signature = current, signature
         if signature is not None:
-            self.cache[signature] = current
+            self.key = self._key(signature, self.initial_state if state is None else state)
+            self.cache[self.key] = current
 
-    def lookup(self, args: tuple, kwargs: dict) -> Any:
-        """What runs a training call with these arguments (re-planned on a new signature)."""
+    def lookup(self, args: tuple, kwargs: dict, state: Any = None) -> Any:
+        """What runs a training call with these arguments (re-planned on a new signature, or
+        in a new ``state``)."""
         sig = input_signature(*args, **kwargs)
         if self.signature is None:
             self.set(sig, self.current)
-        elif sig != self.signature:
-            cached = self.cache.get(sig)
+        key = self._key(sig, state)
+        if key != self.key:
+            cached = self.cache.get(key)
             if cached is not None:
-                self.current, self.signature = cached, sig
+                self.current, self.signature, self.key = cached, sig, key
             elif self.replan is None:
                 raise SignatureMismatchError(
                     "this plan was made for inputs "
@@ -183,57 +233,101 @@ class SignaturePlans:
                     f"shape, so remat does not run it on other sizes. {self.what_to_do}"
                 )
             else:
-                self.set(sig, self.build(self.replan(*args, **kwargs), args, kwargs))
+                token = _REPLANNING_STATE.set(state)
+                try:
+                    plan = self.replan(*args, **kwargs)
+                finally:
+                    _REPLANNING_STATE.reset(token)
+                self.set(sig, self.build(plan, args, kwargs), state)
         return self.current
 
 
-# ---------------------------------------------------------------------- batch norm
-def _running_stat_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """Norm modules (BatchNorm, InstanceNorm with tracking) that update running statistics."""
-    found: dict[int, nn.Module] = {}
+# ---------------------------------------------------------------------- buffers
+def _buffer_slots(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Every buffer slot (owner module, name) of ``modules`` and their submodules, once each."""
+    found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
     for root in modules:
         for m in root.modules():
-            if (
-                isinstance(m, nn.modules.batchnorm._NormBase)
-                and m.track_running_stats
-                and m.running_mean is not None
-            ):
-                found[id(m)] = m
+            for name, b in m._buffers.items():
+                if b is not None:
+                    found[(id(m), name)] = (m, name)
     return list(found.values())
 
 
-class _FrozenRunningStats:
-    """During a recomputation: batch norm updates throw-away copies of its running statistics.
+class _BuffersWrittenOnce:
+    """A checkpoint's ``context_fn`` pair: buffers its forward writes are written once a step.
 
-    The train-mode output uses batch statistics, so it is unchanged; the real ``running_mean``,
-    ``running_var`` and ``num_batches_tracked`` are updated only by the first forward. Copies
-    (not ``track_running_stats=False``) keep the recomputation's saved tensors identical to the
-    forward's: batch norm's backward node saves the running statistics as well.
+    A forward may update buffers: batch norm's running statistics, an exponential moving
+    average, a call counter (in place, or by assigning a new tensor to the buffer's name). The
+    forward context notes which buffers of the segment the forward wrote (version counter or
+    identity changed); during a recomputation those buffers are throw-away copies, so the real
+    ones keep the forward's single update. (The recomputation reads the values the forward left,
+    which a train-mode output does not depend on for batch norm: it uses batch statistics.)
+    Copies, not ``track_running_stats=False``, keep the recomputation's saved tensors identical
+    to the forward's: batch norm's backward node saves the running statistics as well.
 
-    A class, not a ``@contextmanager`` generator: torch enters a checkpoint's recompute context
-    once per recomputation, and a segment is recomputed again by every backward that needs it
-    (``backward(retain_graph=True)`` twice, or the second backward of ``create_graph=True``).
-    A generator context can be entered only once; this one any number of times.
+    Re-enterable: torch enters a checkpoint's recompute context once per recomputation, and a
+    segment is recomputed again by every backward that needs it (``backward(retain_graph=True)``
+    twice, or the second backward of ``create_graph=True``).
     """
 
-    def __init__(self, norms: Sequence[nn.Module]) -> None:
-        self.norms = norms
-        self._entries: list[list[tuple[nn.Module, Any, Any, Any]]] = []
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
+        self.slots = slots
+        self.written: list[tuple[nn.Module, str]] = []
+        self._before: list[tuple[Any, int]] = []
+        self._entries: list[list[tuple[nn.Module, str, Any]]] = []
+
+    def pair(self) -> tuple[Any, Any]:
+        return _WriteWatch(self), self
 
     def __enter__(self) -> None:
         saved = []
-        for m in self.norms:
-            if m.training:
-                saved.append((m, m.running_mean, m.running_var, m.num_batches_tracked))
-                m.running_mean = m.running_mean.clone()
-                m.running_var = m.running_var.clone()
-                if m.num_batches_tracked is not None:
-                    m.num_batches_tracked = m.num_batches_tracked.clone()
+        for m, name in self.written:
+            b = m._buffers[name]
+            saved.append((m, name, b))
+            m._buffers[name] = b.clone()
         self._entries.append(saved)
 
     def __exit__(self, *exc: object) -> None:
-        for m, mean, var, count in self._entries.pop():
-            m.running_mean, m.running_var, m.num_batches_tracked = mean, var, count
+        for m, name, b in self._entries.pop():
+            m._buffers[name] = b
+
+
+class _WriteWatch:
+    """The forward side of :class:`_BuffersWrittenOnce`: notes the buffers the forward writes."""
+
+    def __init__(self, guard: _BuffersWrittenOnce) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> None:
+        self.guard._before = [
+            (b, b._version) for b in (m._buffers.get(n) for m, n in self.guard.slots)
+        ]
+
+    def __exit__(self, *exc: object) -> None:
+        guard = self.guard
+        guard.written = [
+            (m, n)
+            for (m, n), (b, version) in zip(guard.slots, guard._before, strict=True)
+            if m._buffers.get(n) is not b
+            or (b is not None and b._version != version)
+            or _running_stat(m, n)
+        ]
+        guard._before = []
+
+
+_RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+def _running_stat(m: nn.Module, name: str) -> bool:
+    """A running statistic batch norm updates in training mode: the native kernel writes it
+    without bumping its version counter, so it is not seen as written otherwise."""
+    return (
+        name in _RUNNING_STATS
+        and isinstance(m, nn.modules.batchnorm._NormBase)
+        and m.track_running_stats
+        and m.training
+    )
 
 
 # ---------------------------------------------------------------------- the executor
@@ -254,11 +348,11 @@ class _Executor:
         self.stages = stages
         self.plan = plan
         self.early_stop = early_stop
-        self._norms: dict[tuple[int, int], list[nn.Module]] = {}
+        self._buffers: dict[tuple[int, int], list[tuple[nn.Module, str]]] = {}
         for seg in plan.walk():
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
-                self._norms[(seg.start, seg.stop)] = _running_stat_modules(mods)
+                self._buffers[(seg.start, seg.stop)] = _buffer_slots(mods)
         self.compiled: Callable[..., Any] | None = None
         self._compiled_once = False
         if compile_options is not None:
@@ -320,12 +414,12 @@ class _Executor:
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if not self.early_stop:
             options["early_stop"] = False
-        norms = self._norms[(seg.start, seg.stop)]
-        if norms and not torch.compiler.is_compiling():
+        slots = self._buffers[(seg.start, seg.stop)]
+        if slots and not torch.compiler.is_compiling():
             # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
-                return contextlib.nullcontext(), _FrozenRunningStats(norms)
+                return _BuffersWrittenOnce(slots).pair()
 
             options["context_fn"] = context_fn
         if torch.compiler.is_compiling():
@@ -488,6 +582,7 @@ class PlannedModule(nn.Module):
             self._build,
             "Make a plan for these inputs and call remat.apply again, or pass replan=callable "
             "(called with the new inputs, returning a Plan) to remat.apply.",
+            initial_state=planned_state(model),
         )
         object.__setattr__(self, "_plans", plans)
 
@@ -574,7 +669,7 @@ class PlannedModule(nn.Module):
         plans.current = current
 
     def _executor_for(self, args: tuple, kwargs: dict) -> _Executor:
-        return self._plans.lookup(args, kwargs)
+        return self._plans.lookup(args, kwargs, step_state(self.model))
 
     def __getattr__(self, name: str) -> Any:
         try:

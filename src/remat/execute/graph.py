@@ -76,7 +76,13 @@ from remat.capture.chain import _model_arguments
 from remat.capture.graph import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan, GraphSegment
-from remat.execute.chain import SignaturePlans, call_loss, input_signature
+from remat.execute.chain import (
+    SignaturePlans,
+    call_loss,
+    input_signature,
+    planned_state,
+    step_state,
+)
 from remat.guards import check_no_own_checkpointing
 from remat.measure.profile import LossFn, default_loss_fn
 
@@ -178,6 +184,7 @@ class GraphPlannedModule(nn.Module):
             self._build,
             "Capture and plan the graph for these inputs and call apply_graph again, or pass "
             "replan=callable (called with the new inputs, returning (plan, graph)).",
+            initial_state=planned_state(model),
         )
         object.__setattr__(self, "_plans", plans)
 
@@ -234,7 +241,7 @@ class GraphPlannedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        planned = self._plans.lookup(args, kwargs)
+        planned = self._plans.lookup(args, kwargs, step_state(self.model))
         if planned.program is None:  # no batch given: trace the first training call
             planned.program = self._prepare(planned.plan, planned.graph, (args, kwargs), call_loss)
         program = planned.program

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UnsupportedModelError
-from remat.guards import BatchCopy
+from remat.guards import BatchCopy, BufferSnapshot
 
 SUPPORTED_HELP = (
     "remat can cut these models into stages automatically: any nn.Sequential (forward not "
@@ -207,7 +207,7 @@ class _CompositionCheck:
         stages = self.holder[0]
         what = self.what or f"the named stages {list(stages.names)}"
         model = self.model
-        buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+        buffers = BufferSnapshot(model)
         devices = sorted({b.device for b in model.parameters() if b.device.type == "cuda"}, key=str)
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -215,8 +215,7 @@ class _CompositionCheck:
                 cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
                 with self.around() if self.around is not None else contextlib.nullcontext():
                     expected = model(*args, **kwargs)
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
+                buffers.restore()
                 torch.set_rng_state(state)
                 for d, s in zip(devices, cuda_states, strict=True):
                     torch.cuda.set_rng_state(s, d)
@@ -229,9 +228,7 @@ class _CompositionCheck:
                         f"model's input: {type(err).__name__}: {err}. " + SUPPORTED_HELP
                     ) from err
         finally:
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
+            buffers.restore()
             inputs.restore()
         problem = _compare_outputs(expected, got)
         if problem is not None:

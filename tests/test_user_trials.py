@@ -1,0 +1,658 @@
+"""remat's promise tried the way a new user would, on models and loops the other tests do not use.
+
+The promise (README): ``remat.auto(model, batch, budget=...)`` returns a model whose training
+step's measured peak (the allocator's events, exact on the CPU) is within the budget, with the
+unplanned model's gradients (same loss, same dropout masks, buffers updated once per step); a
+budget too small is refused naming the minimum, and that minimum is then accepted.
+
+Each scenario is tiny (seconds on a CPU) and asserts exact bytes and gradients. Found here and
+fixed in the library:
+
+* a buffer a forward updates (not batch norm: a moving average, a call counter) was updated
+  again by every recomputation (counter 2 instead of 1 after one step; the average off by 0.029);
+* gradient accumulation over microbatches, and a loop that never calls ``zero_grad`` (the
+  README's quick start), hold every gradient from the forward on: the planned step ran at
+  3,525,912 B under a 3,263,488 B budget (4 microbatches; the graph path 2,049,624 B under
+  1,599,568 B);
+* parameters unfrozen after planning get gradients the plan did not count: 3,887,640 B under a
+  2,900,354 B budget.
+
+Still wrong (strict xfails naming the numbers): spectral norm's power iteration runs again in a
+recomputation; a criterion saving more than one output-sized tensor, without ``loss_fn``; the
+graph path at its named minimum on a model with a padding mask; pickling a planned model.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.auto import AutoSummary, auto
+from remat.measure.events import step_peak_bytes
+from remat.planners import BudgetTooSmallError
+
+Step = Callable[[nn.Module], torch.Tensor]
+"""One training forward and loss, ``step(model) -> loss``."""
+
+
+# ---------------------------------------------------------------------- helpers
+def _mlp(width: int = 128, layers: int = 8, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    return nn.Sequential(*blocks, nn.Linear(width, 10))
+
+
+class Skip(nn.Module):
+    """Not a chain (the stem's output skips across the blocks): the module-graph path."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        skip = h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + skip)
+
+
+def _skip() -> Skip:
+    torch.manual_seed(0)
+    return Skip()
+
+
+def _auto(model: nn.Module, batch: Any, **kw: Any) -> tuple[nn.Module, AutoSummary]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not a chain.*")
+        return auto(model, batch, **kw)
+
+
+def _minimum(build: Callable[[], nn.Module], batch: Any, **kw: Any) -> int:
+    """The least budget remat accepts (named by the refusal of 1 byte)."""
+    with pytest.raises(BudgetTooSmallError) as info:
+        _auto(build(), batch, budget=1, **kw)
+    return info.value.minimum_bytes
+
+
+def _binding(build: Callable[[], nn.Module], batch: Any, **kw: Any) -> tuple[int, int]:
+    """``(minimum, budget)``: a budget half-way between the minimum and the unplanned step."""
+    least = _minimum(build, batch, **kw)
+    _, unplanned = _auto(build(), batch, **kw)
+    assert least < unplanned.unplanned_peak_bytes
+    return least, (least + unplanned.unplanned_peak_bytes) // 2
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n.removeprefix("model."): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _assert_same_grads(got: nn.Module, want: nn.Module, rtol: float = 1e-5) -> None:
+    a, b = _grads(got), _grads(want)
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=1e-6, msg=k)
+
+
+def _peak(model: nn.Module, step: Step, inputs: Any, opt: Any = None) -> int:
+    """The whole step's exact peak (after a warm-up step, which makes any re-plan)."""
+
+    def run() -> None:
+        torch.manual_seed(7)
+        step(model).backward()
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+    return step_peak_bytes(run, model, opt, inputs)
+
+
+def _has_checkpoint(plan: remat.Plan) -> bool:
+    return any(seg.checkpoint for seg in plan.walk())
+
+
+# ---------------------------------------------------------------------- buffers
+class Averaging(nn.Module):
+    """A layer that keeps a moving average of its input and counts its training calls: buffers
+    updated in the forward, in place, not batch norm."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("avg", torch.zeros(width))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.avg.mul_(0.9).add_(0.1 * x.mean(0))
+                self.calls += 1
+        return torch.relu(self.lin(x))
+
+
+class Reassigning(Averaging):
+    """The same, updating by assigning a new tensor to the buffer's name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+            self.calls = self.calls + 1
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("layer", [Averaging, Reassigning])
+def test_a_buffer_updated_in_forward_is_updated_once_per_step(layer: type) -> None:
+    # before the fix: calls [2, 2, 1, 2, 2, 1] after one step, the average off by 0.029
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[layer(64) for _ in range(6)], nn.Linear(64, 10))
+
+    x = torch.randn(128, 64)
+    _, budget = _binding(build, x)
+    model, reference = build(), build()
+    planned, summary = _auto(model, x, budget=budget)
+    assert _has_checkpoint(summary.plan)
+    for _ in range(2):
+        for m in (planned, reference):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            m(x).sum().backward()
+    assert [int(m.calls) for m in model[:6]] == [2] * 6
+    got, want = dict(model.named_buffers()), dict(reference.named_buffers())
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    _assert_same_grads(planned, reference)
+    planned.zero_grad(set_to_none=True)
+    assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+
+
+def test_a_buffer_updated_in_forward_on_the_graph_path() -> None:
+    class SkipAveraging(Skip):
+        def __init__(self) -> None:
+            super().__init__(64)
+            self.blocks = nn.ModuleList(Averaging(64) for _ in range(6))
+
+    def build() -> SkipAveraging:
+        torch.manual_seed(0)
+        return SkipAveraging()
+
+    x = torch.randn(128, 64)
+    _, budget = _binding(build, x)
+    model, reference = build(), build()
+    planned, summary = _auto(model, x, budget=budget)
+    assert summary.plan.segments  # something is recomputed
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    assert [int(m.calls) for m in model.blocks] == [1] * 6
+    for a, b in zip(model.blocks, reference.blocks, strict=True):
+        torch.testing.assert_close(a.avg, b.avg, rtol=0, atol=0)
+    _assert_same_grads(planned, reference)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="spectral norm's forward runs a power iteration on its buffers u, v and uses the "
+    "result: a recomputation starts from the forward's updated u (buffers are written once, "
+    "but read after the update), so the weights' gradients differ (max 1.9e-4 with every "
+    "stage checkpointed); exact would need u, v as they were before the forward",
+)
+def test_spectral_norm_gradients_under_recomputation() -> None:
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = [nn.Sequential(spectral_norm(nn.Linear(64, 64)), nn.GELU()) for _ in range(6)]
+        return nn.Sequential(*layers, nn.Linear(64, 10))
+
+    x = torch.randn(128, 64)
+    model, reference = build(), build()
+    planned = remat.apply(model, remat.Plan.every_stage())
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    got, want = dict(model.named_buffers()), dict(reference.named_buffers())
+    for k in want:  # the buffers are right (written once)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    _assert_same_grads(planned, reference)
+
+
+# ---------------------------------------------------------------------- gradients held
+K = 4
+
+
+def _accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for k in range(K):
+        F.cross_entropy(model(x[k::K]), y[k::K]).div(K).backward()
+
+
+@pytest.mark.parametrize("path", ["chain", "graph"])
+def test_gradient_accumulation_holds_the_budget(path: str) -> None:
+    # before the fix: the chain step at 3,525,912 B under 3,263,488 B (the eager peak: no plan
+    # was made for the gradients held through microbatches 2-4)
+    build = _mlp if path == "chain" else _skip
+    torch.manual_seed(1)
+    x, y = torch.randn(512, 128), torch.randint(0, 10, (512,))
+    micro = (x[0::K], y[0::K])
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            _accumulate(model, x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return run
+
+    eager = build()
+    eager_opt = torch.optim.Adam(eager.parameters())
+    eager_peak = step_peak_bytes(loop(eager, eager_opt), eager, eager_opt, x)
+    least = _minimum(
+        build, micro, loss_fn=loss_fn, optimizer=torch.optim.Adam(build().parameters())
+    )
+    budget = (least + eager_peak) // 2
+    model = build()
+    opt = torch.optim.Adam(model.parameters())
+    planned, _ = _auto(model, micro, loss_fn=loss_fn, optimizer=opt, budget=budget)
+    try:
+        _accumulate(planned, x, y)
+    except BudgetTooSmallError as err:  # honest: the held gradients need more
+        assert path == "graph"
+        assert "already held" in str(err) and err.minimum_bytes > budget
+        budget = err.minimum_bytes  # ... and the minimum it names is accepted
+        model = build()
+        opt = torch.optim.Adam(model.parameters())
+        planned, _ = _auto(model, micro, loss_fn=loss_fn, optimizer=opt, budget=budget)
+        _accumulate(planned, x, y)
+    # the accumulated gradients equal eager's
+    reference = build()
+    _accumulate(reference, x, y)
+    _assert_same_grads(planned, reference)
+    opt.zero_grad(set_to_none=True)
+    measured = step_peak_bytes(loop(planned, opt), planned, opt, x)
+    assert measured <= budget, (measured, budget, least, eager_peak)
+
+
+def test_a_loop_without_zero_grad_holds_the_budget() -> None:
+    # the README's quick start: planned(x).sum().backward() again and again, gradients summed;
+    # before the fix 4,227,992 B under a 3,821,412 B budget
+    x = torch.randn(512, 128)
+    _, budget = _binding(_mlp, x)
+    model = _mlp()
+    planned, summary = _auto(model, x, budget=budget)
+    assert summary.predicted_peak_bytes <= budget
+
+    def run() -> None:
+        planned(x).sum().backward()
+
+    measured = step_peak_bytes(run, planned, None, x, warmup=2)
+    assert measured <= budget, (measured, budget)
+    reference = _mlp()
+    for _ in range(4):  # warm-up 2 + measured 1 + this one
+        reference(x).sum().backward()
+    planned(x).sum().backward()
+    _assert_same_grads(planned, reference)
+
+
+def test_a_deepcopy_of_the_planned_model_plans_for_its_own_gradients() -> None:
+    # the copy's re-plan closes over the original model, whose gradients are not live
+    x = torch.randn(512, 128)
+    _, budget = _binding(_mlp, x[:128])
+    planned, _ = _auto(_mlp(), x[:128], budget=budget)
+    twin = copy.deepcopy(planned)
+    assert not any(a is b for a, b in zip(twin.parameters(), planned.parameters(), strict=True))
+
+    def run() -> None:
+        for k in range(K):
+            twin(x[k * 128 : (k + 1) * 128]).sum().backward()
+        twin.zero_grad(set_to_none=True)
+
+    measured = step_peak_bytes(run, twin, None, x)
+    assert measured <= budget, (measured, budget)
+    assert all(p.grad is None for p in planned.parameters())  # the original is untouched
+
+
+def test_unfreezing_after_auto_replans_for_the_new_gradients() -> None:
+    # before the fix: 3,887,640 B under a 2,900,354 B budget once the first six blocks train
+    def frozen() -> nn.Sequential:
+        model = _mlp()
+        for p in model[:6].parameters():
+            p.requires_grad_(False)
+        return model
+
+    x = torch.randn(512, 128)
+    _, budget = _binding(frozen, x)
+    model = frozen()
+    planned, _ = _auto(model, x, budget=budget)
+    assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+    for p in model.parameters():
+        p.requires_grad_(True)
+    measured = _peak(planned, lambda m: m(x).sum(), x)
+    assert measured <= budget, (measured, budget)
+    reference = _mlp()
+    reference(x).sum().backward()
+    planned(x).sum().backward()
+    _assert_same_grads(planned, reference)
+    # and freezing again after that: fewer gradients, still within, still eager's
+    planned.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    for m in (model, reference):
+        for p in m[:4].parameters():
+            p.requires_grad_(False)
+    assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+    reference(x).sum().backward()
+    planned(x).sum().backward()
+    _assert_same_grads(planned, reference)
+
+
+# ---------------------------------------------------------------------- precision, outputs
+def test_autocast_bfloat16_around_the_step() -> None:
+    x = torch.randn(512, 128)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().pow(2).mean()
+
+    _, budget = _binding(_mlp, x)
+    model = _mlp()
+    planned, summary = _auto(model, x, budget=budget)
+    assert _has_checkpoint(summary.plan)
+    reference = _mlp()
+    step(reference).backward()
+    step(planned).backward()
+    _assert_same_grads(planned, reference)
+    planned.zero_grad(set_to_none=True)
+    assert _peak(planned, step, x) <= budget  # planned in float32, run in bfloat16
+
+
+class Structured(nn.Module):
+    """Returns a dict or a tuple (logits and features)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(6))
+        self.head = nn.Linear(128, 512)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return {"logits": logits, "features": x} if self.kind == "dict" else (logits, x)
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_dict_or_tuple_output_within_the_budget_and_at_the_minimum(kind: str) -> None:
+    def build() -> Structured:
+        torch.manual_seed(0)
+        return Structured(kind)
+
+    def logits(out: Any) -> torch.Tensor:
+        return out["logits"] if kind == "dict" else out[0]
+
+    torch.manual_seed(1)
+    x, y = torch.randn(512, 128), torch.randint(0, 512, (512,))
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(logits(m(b[0])), b[1])
+
+    opt_of = lambda m: torch.optim.Adam(m.parameters())  # noqa: E731
+    least = _minimum(build, (x, y), loss_fn=loss_fn, optimizer=opt_of(build()))
+    for budget in (least, least + 500_000):
+        model, reference = build(), build()
+        opt = opt_of(model)
+        planned, _ = _auto(model, (x, y), loss_fn=loss_fn, optimizer=opt, budget=budget)
+        loss_fn(reference, (x, y)).backward()
+        loss_fn(planned, (x, y)).backward()
+        _assert_same_grads(planned, reference)
+        planned.zero_grad(set_to_none=True)
+        measured = _peak(planned, lambda m: loss_fn(m, (x, y)), x, opt)
+        assert measured <= budget, (measured, budget)
+
+
+def test_weights_tied_between_two_layers() -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(6)])
+        model[5][0].weight = model[0][0].weight
+        return model
+
+    x = torch.randn(512, 128)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).pow(2).mean()
+
+    opt_of = lambda m: torch.optim.Adam(m.parameters())  # noqa: E731
+    least = _minimum(build, x, loss_fn=loss_fn, optimizer=opt_of(build()))
+    for budget in (least, least + 1_000_000):
+        model, reference = build(), build()
+        opt = opt_of(model)
+        planned, summary = _auto(model, x, loss_fn=loss_fn, optimizer=opt, budget=budget)
+        assert model[5][0].weight is model[0][0].weight
+        loss_fn(reference, x).backward()
+        loss_fn(planned, x).backward()
+        _assert_same_grads(planned, reference)
+        planned.zero_grad(set_to_none=True)
+        measured = _peak(planned, lambda m: loss_fn(m, x), x, opt)
+        assert measured <= budget, (measured, budget, summary.plan.describe())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="without loss_fn the held output's criterion is counted as one output-sized tensor "
+    "(a cross-entropy's log-softmax); a mean squared error makes two in its backward "
+    "(the gradients of the square and of the output): measured 3,573,496 B at the named "
+    "minimum 3,314,420 B (MLP 6 x 128, batch 512)",
+)
+def test_a_squared_error_loop_without_loss_fn_at_the_minimum() -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(6)])
+
+    x = torch.randn(512, 128)
+    opt_of = lambda m: torch.optim.Adam(m.parameters())  # noqa: E731
+    least = _minimum(build, x, optimizer=opt_of(build()))
+    model = build()
+    opt = opt_of(model)
+    planned, _ = _auto(model, x, optimizer=opt, budget=least)
+    measured = _peak(planned, lambda m: m(x).pow(2).mean(), x, opt)
+    assert measured <= least, (measured, least)
+
+
+# ---------------------------------------------------------------------- token ids
+class Tokens(nn.Module):
+    """Token ids with a padding mask: embedding, blocks masked, a masked mean, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64, padding_idx=0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6))
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = block(h) * attention_mask.unsqueeze(-1)
+        return self.head(h.sum(1) / attention_mask.sum(1, keepdim=True))
+
+
+def _tokens() -> Tokens:
+    torch.manual_seed(0)
+    return Tokens()
+
+
+def _token_batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 1000, (32, 64), generator=g)
+    mask = torch.ones(32, 64)
+    for i in range(32):
+        length = int(torch.randint(10, 64, (), generator=g))
+        ids[i, length:] = 0
+        mask[i, length:] = 0
+    return {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 5, (32,), generator=g)
+
+
+def _token_trial(at_minimum: bool) -> tuple[int, int]:
+    batch, labels = _token_batch()
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(**b), labels)
+
+    opt_of = lambda m: torch.optim.Adam(m.parameters())  # noqa: E731
+    least = _minimum(_tokens, batch, loss_fn=loss_fn, optimizer=opt_of(_tokens()))
+    eager = _tokens()
+    eager_peak = _peak(eager, lambda m: loss_fn(m, batch), batch, opt_of(eager))
+    budget = least if at_minimum else (least + eager_peak) // 2
+    model = _tokens()
+    opt = opt_of(model)
+    planned, summary = _auto(model, batch, loss_fn=loss_fn, optimizer=opt, budget=budget)
+    assert "not a chain" in str(summary)
+    reference = _tokens()
+    loss_fn(reference, batch).backward()
+    loss_fn(planned, batch).backward()
+    _assert_same_grads(planned, reference)
+    planned.zero_grad(set_to_none=True)
+    return _peak(planned, lambda m: loss_fn(m, batch), batch, opt), budget
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="graph path under-predicts some MILP plans (which one is picked depends on "
+    "measured times): plan segments (0, 1), (4, 5, 6), (10, 11) predicted 6,358,924 B, "
+    "measured 6,863,224 B (+504,300) under a 6,366,224 B budget, in 1 of 3 runs; the other "
+    "picks measured 6,340,244 B",
+)
+def test_token_ids_with_a_padding_mask_within_a_binding_budget() -> None:
+    measured, budget = _token_trial(at_minimum=False)
+    assert measured <= budget, (measured, budget)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="graph path (token ids + padding mask, the mask multiplied in every block): at its "
+    "named minimum 4,295,052 B the step measures 4,766,072 B (+471,020 B); within budget at "
+    "a budget half-way to the eager peak",
+)
+def test_token_ids_with_a_padding_mask_at_the_named_minimum() -> None:
+    measured, budget = _token_trial(at_minimum=True)
+    assert measured <= budget, (measured, budget)
+
+
+# ---------------------------------------------------------------------- after auto
+def test_eval_and_no_grad_after_auto_run_plainly_on_any_batch() -> None:
+    x = torch.randn(512, 128)
+    _, budget = _binding(_mlp, x)
+    model = _mlp()
+    planned, summary = _auto(model, x, budget=budget)
+    big = torch.randn(4096, 128)  # no plan fits this batch within the budget (training)
+    planned.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(planned(big), model(big), rtol=0, atol=0)
+    planned.train()
+    with torch.no_grad():
+        torch.testing.assert_close(planned(big), model(big), rtol=0, atol=0)
+    with torch.inference_mode():
+        planned(big)
+    assert planned.plan == summary.plan  # no re-plan happened
+    assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+
+
+def test_state_dict_round_trip() -> None:
+    x = torch.randn(512, 128)
+    _, budget = _binding(_mlp, x)
+    planned, _ = _auto(_mlp(), x, budget=budget)
+    with torch.no_grad():
+        for p in planned.parameters():
+            p.add_(0.01)
+    saved = io.BytesIO()
+    torch.save(planned.state_dict(), saved)
+    saved.seek(0)
+    state = torch.load(saved)
+    assert all(k.startswith("model.") for k in state)  # a wrapper's keys, as documented
+    other, _ = _auto(_mlp(seed=5), x, budget=budget)
+    other.load_state_dict(state)
+    plain = _mlp(seed=5)
+    plain.load_state_dict(planned.model.state_dict())
+    for m in (planned, other, plain):
+        m(x).sum().backward()
+    _assert_same_grads(other, planned, rtol=0)
+    _assert_same_grads(plain, planned)
+    other.zero_grad(set_to_none=True)
+    assert _peak(other, lambda m: m(x).sum(), x) <= budget
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason="torch.save of the planned module itself: its stages keep a local lambda "
+    "(split_stages' split_again) and remat.auto's re-plan closure, which pickle cannot save; "
+    "state_dict round-trips (test above)",
+)
+def test_pickling_the_planned_module() -> None:
+    x = torch.randn(64, 128)
+    planned, _ = _auto(_mlp(), x, budget=float("inf"))
+    torch.save(planned, io.BytesIO())
+
+
+def test_auto_twice_on_one_model_and_on_a_planned_model() -> None:
+    x = torch.randn(512, 128)
+    _, budget = _binding(_mlp, x)
+    model = _mlp()
+    first, _ = _auto(model, x, budget=budget)
+    second, _ = _auto(model, x, budget=budget)
+    for planned in (first, second):
+        assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+    first(x).sum().backward()
+    want = _grads(first)
+    model.zero_grad(set_to_none=True)
+    second(x).sum().backward()
+    got = _grads(second)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="already has a plan; apply it to planned.model"):
+        auto(first, x, budget=budget)
+
+
+def test_budget_strings_and_a_zero_budget() -> None:
+    x = torch.randn(64, 128)
+    _, summary = _auto(_mlp(), x, budget="1.5GiB")
+    assert summary.budget_bytes == 1_610_612_736
+    _, summary = _auto(_mlp(), x, budget="1.5 GB")
+    assert summary.budget_bytes == 1_500_000_000
+    for zero in (0, "0B"):
+        with pytest.raises(BudgetTooSmallError) as info:
+            _auto(_mlp(), x, budget=zero)
+    least = info.value.minimum_bytes
+    planned, summary = _auto(_mlp(), x, budget=least)
+    assert summary.predicted_peak_bytes <= least
+    assert _peak(planned, lambda m: m(x).sum(), x) <= least
+
+
+def test_a_smaller_last_microbatch_keeps_the_accumulated_gradients_on_the_graph_path() -> None:
+    # the bug: the re-plan's graph trace ran its backward into the caller's .grad (the
+    # gradients of stem.bias off by 136, head.bias by 256)
+    torch.manual_seed(1)
+    x, y = torch.randn(228, 128), torch.randint(0, 10, (228,))
+    planned, _ = _auto(_skip(), x[:128], budget=float("inf"))
+    reference = _skip()
+    for m in (planned, reference):
+        F.cross_entropy(m(x[:128]), y[:128]).backward()
+        F.cross_entropy(m(x[128:]), y[128:]).backward()  # 100 rows: a re-plan
+    _assert_same_grads(planned, reference)
