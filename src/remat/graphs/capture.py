@@ -82,6 +82,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -95,7 +96,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.calibration import TimeModel, WorkCounter
-from remat.graphs.graph import Graph, Node
+from remat.graphs.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, check_no_own_checkpointing
 from remat.measure import garbage_collected, output_tensors, scratch_bytes
 from remat.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
@@ -336,6 +337,9 @@ class _State:
     output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
     largest_output_bytes: int = 0  # its largest tensor (what a criterion on it may save)
     batch_ids: set[int] = field(default_factory=set)
+    born: dict[int, int] = field(default_factory=dict)  # no-grad storage -> the call making it
+    died: dict[int, int] = field(default_factory=dict)  # ... -> recorded calls when it was freed
+    finalizers: list[weakref.finalize] = field(default_factory=list)
 
     def scope(self) -> str:
         if not self.inside:
@@ -435,6 +439,13 @@ class _Recorder(TorchFunctionMode):
                 st.known[key] = _nbytes(t)
         changed = outs + [ins[i] for i in mutated]
         rec.requires_grad = any(t.requires_grad for t in changed)
+        if not rec.requires_grad:  # a constant: when is it freed? (Graph.constants)
+            for t, key, fresh in zip(outs, rec.out_keys, rec.new, strict=True):
+                if fresh and key not in st.born:
+                    st.born[key] = index
+                    st.finalizers.append(
+                        weakref.finalize(t.untyped_storage(), _freed, st.died, st.calls, key)
+                    )
         if rec.requires_grad and torch.is_grad_enabled():
             _claim_grad_fns(st, changed, index)
         return out
@@ -547,6 +558,11 @@ def _total_flops(counter: WorkCounter | None) -> float:
     return 0.0 if counter is None else counter.cost()
 
 
+def _freed(died: dict[int, int], calls: list[_Rec], key: int) -> None:
+    """A constant's storage was freed: note how many calls had been recorded by then."""
+    died.setdefault(key, len(calls))
+
+
 def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
     """Assign the autograd functions this call created (reachable from its outputs through
     functions no earlier call owns) to the call."""
@@ -654,6 +670,9 @@ def _record(
         if costs and loss.requires_grad:
             _backward_costs(st, loss, counter)
         del loss
+    for finalizer in st.finalizers:  # still alive: held to the end of the step
+        finalizer.detach()
+    st.finalizers.clear()
     return st
 
 
@@ -1122,7 +1141,12 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(saved_constants.values())
-    graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
+    graph = Graph(
+        tuple(graph_nodes),
+        input_bytes=batch_bytes + const_bytes,
+        time_unit=time_unit,
+        constants=_constants(st, constants - saved_constants.keys(), node_calls, call_node),
+    )
     infos = tuple(
         CallInfo(
             index=rec.index,
@@ -1152,6 +1176,43 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         output_bytes=st.output_bytes,
         largest_output_bytes=st.largest_output_bytes,
     )
+
+
+def _constants(
+    st: _State,
+    keys: set[int],
+    node_calls: list[tuple[int, ...]],
+    call_node: list[int | None],
+) -> tuple[Constant, ...]:
+    """The storages made without gradient and saved by no backward that are live while a node
+    runs forward (:class:`~remat.graphs.graph.Constant`): from the call that made each to the
+    moment it was freed (the recorded calls by then; Python may hold it past its last read,
+    as a Hugging Face model holds its input embeddings to the end of its forward)."""
+    first_call = [min(c) for c in node_calls]
+    last_call = [max(c) for c in node_calls]
+    readers: dict[int, set[int]] = {}
+    for rec in st.calls:
+        v = call_node[rec.index]
+        if v is None:
+            continue
+        for k in rec.in_keys:
+            if k in keys:
+                readers.setdefault(k, set()).add(v)
+    out = []
+    for k in sorted(keys, key=lambda k: st.born.get(k, -1)):
+        born = st.born.get(k)
+        if born is None:
+            continue
+        died = st.died.get(k, len(st.calls))
+        mine = readers.get(k, set())
+        live = [
+            v
+            for v in range(len(node_calls))
+            if v in mine or (born < last_call[v] and died > first_call[v])
+        ]
+        if live:
+            out.append(Constant(st.known[k], min(live), max(live), tuple(sorted(mine))))
+    return tuple(out)
 
 
 def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[Node]:
