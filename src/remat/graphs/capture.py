@@ -19,11 +19,16 @@ the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls 
 * a node whose output no backward saves and that feeds exactly one other node is **merged into
   that node** (e.g. GPT-2's dropout before the residual add, ResNet's downsample batch norm
   before ``+=``): the simulator keeps a stored node's output until its backward, so a node whose
-  output autograd does not keep would be over-counted. After merging every node's output is
-  saved by some backward except the sinks and outputs read by several nodes.
-* calls whose outputs need no gradient (masks, position ids, integer arithmetic) are not nodes;
-  the storages they make that a backward saves are counted in ``Graph.input_bytes`` with the
-  batch. Nodes from which the loss cannot be reached are dropped.
+  output autograd does not keep would be over-counted. Not when the node's backward keeps
+  tensors and another node runs between it and that consumer (RegNet's ``proj(x) + f(x)``:
+  the engine runs the projection's batch-norm backward after the ``f`` branch's, so what it
+  saved outlives the sum's backward). After merging every node's output is saved by some
+  backward except the sinks, outputs read by several nodes and those kept apart so.
+* calls whose outputs need no gradient (masks, position ids, integer arithmetic, a frozen
+  prefix) are not nodes; the storages they make that a backward saves are counted in
+  ``Graph.input_bytes`` with the batch, the others, from the call that makes them to the
+  moment they are freed, are ``Graph.constants`` (:class:`~remat.graphs.graph.Constant`).
+  Nodes from which the loss cannot be reached are dropped.
 
 Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
 
@@ -79,6 +84,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 import warnings
@@ -1050,6 +1056,20 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         for u in node.inputs:
             consumers[u].add(v)
     loss_node = owner.get(st.loss_key)
+    by_order = sorted((node.order, x) for x, node in enumerate(nodes))
+    orders = [o for o, _ in by_order]
+
+    def runs_between(v: int, w: int) -> bool:
+        """True when ``v``'s backward keeps tensors (a residual, saved inputs) and a node of
+        neither group runs between ``v`` and ``w``: the engine runs that node's backward
+        between theirs too, so ``v``'s saved tensors outlive ``w``'s backward (RegNet's
+        projection batch norm, then the residual branch, then the sum)."""
+        if not (nodes[v].own_saved or nodes[v].saved_inputs):
+            return False
+        lo = bisect.bisect_right(orders, nodes[v].order)
+        hi = bisect.bisect_left(orders, nodes[w].order)
+        return any(find(x) not in (w, find(v)) for _, x in by_order[lo:hi])
+
     for v in sorted(range(len(nodes)), key=lambda x: -nodes[x].order):
         if output_saved[v] or v == loss_node or not outs[v]:
             continue
@@ -1057,7 +1077,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         if len(targets) != 1:
             continue
         w = targets.pop()
-        if nodes[w].inside != nodes[v].inside:
+        if nodes[w].inside != nodes[v].inside or runs_between(v, w):
             continue
         parent[v] = w
         keep, gone = nodes[w], nodes[v]
