@@ -57,9 +57,9 @@ DETECTION_CALLS = (
 ABOVE_EVERY_BLOCK = (
     "remat's least whole-step peak is above what checkpointing every block measures (chain "
     "path: hf-gpt2 680656 vs 679660 B, hf-llama 514900 vs 513888 B, by the 1 KiB allocator "
-    "slack StepCosts.slack_bytes counts all step; graph path: lraspp 1855376 vs 1803992 B): "
-    "auto refuses that budget. The chain path's checkpoint RNG states, once counted for every "
-    "segment all step (685712 and 519956 B), now live from a segment's forward to its backward"
+    "slack StepCosts.slack_bytes counts all step): auto refuses that budget. The chain "
+    "path's checkpoint RNG states, once counted for every segment all step (685712 and "
+    "519956 B), now live from a segment's forward to its backward"
 )
 XFAIL: dict[tuple[str, str], str] = {
     ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
@@ -132,7 +132,9 @@ EVERY_BLOCK = {
     "timm-vit": None,
     "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
     "tv-convnext": None,  # graph path
-    "tv-lraspp_mobilenet_v3": ABOVE_EVERY_BLOCK,
+    # graph path: reached since a batch norm's node is no longer merged across a branch (54
+    # nodes: predicted 1902480 B, measured 1835724 B at the 1925900 B every-block peak, 3 runs)
+    "tv-lraspp_mobilenet_v3": None,
     # graph path below its blocks chain's least. Its plans were under-predicted (measured
     # 426536 B at a 421976 B budget, predicted 419844 B: the causal mask, no gradient, kept by
     # the checkpoints; Graph.constants now): exact since (predicted 420356 B, measured 418856 B).
