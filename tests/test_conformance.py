@@ -132,8 +132,9 @@ EVERY_BLOCK = {
     "timm-vit": None,
     "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
     "tv-convnext": None,  # graph path
-    # graph path: reached since a batch norm's node is no longer merged across a branch (54
-    # nodes: predicted 1902480 B, measured 1835724 B at the 1925900 B every-block peak, 3 runs)
+    # graph path (54 nodes): every block checkpointed measures 1925900 B here (1803992 B in the
+    # conformance table); auto plans it at 1902480 B predicted, 1835724 B measured (3 of 3
+    # runs, and 1 of 1 on this branch's base, ba71047: not this branch's doing)
     "tv-lraspp_mobilenet_v3": None,
     # graph path below its blocks chain's least. Its plans were under-predicted (measured
     # 426536 B at a 421976 B budget, predicted 419844 B: the causal mask, no gradient, kept by
