@@ -64,7 +64,7 @@ ABOVE_EVERY_BLOCK = (
 XFAIL: dict[tuple[str, str], str] = {
     ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
 }
-# RegNet takes the chain path now (remat.stages.families.blocks: its trunk's stages of
+# RegNet takes the chain path now (remat.capture.stages.families.blocks: its trunk's stages of
 # blocks). Its graph path under-predicted it by 128 KiB (predicted 4130224 B, measured 4261240
 # B at a 4201652 B budget): the projection's batch norm was merged into the residual sum across
 # the other branch (tests/test_graph_branch_merge.py); now predicted 4158384 B, measured

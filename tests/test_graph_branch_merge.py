@@ -1,5 +1,5 @@
 """A node whose output no backward saves is merged into its only consumer, unless another
-branch runs between them (:func:`remat.graphs.capture.trace_graph`).
+branch runs between them (:func:`remat.capture.graph.trace_graph`).
 
 RegNet's residual block computes ``proj(x) + f(x)``, the projection first: its batch norm's
 output is read only by the sum, which saves nothing, so it was merged into the sum's node. But
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from remat.graphs.capture import trace_graph
-from remat.graphs.plan import GraphPlan
-from remat.graphs.runtime import apply_graph
-from remat.graphs.simulate import simulate_step_peak
-from remat.measure import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
+from remat.capture.graph import trace_graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_step_peak
+from remat.execute.graph import apply_graph
+from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
 
 N, D, H = 128, 16, 512
 

@@ -19,14 +19,14 @@ import pytest
 import torch
 from torch import nn
 
-from remat.graphs.capture import trace_graph
-from remat.graphs.graph import Constant, Graph
-from remat.graphs.plan import GraphPlan
-from remat.graphs.planners import plan_graph
-from remat.graphs.runtime import apply_graph
-from remat.graphs.simulate import simulate_graph, simulate_step_peak
-from remat.measure import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
+from remat.capture.graph import trace_graph
+from remat.core.graph import Constant, Graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_graph, simulate_step_peak
+from remat.execute.graph import apply_graph
+from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
 from remat.planners import BudgetTooSmallError
+from remat.planners.graph import plan_graph
 
 N, D, H, W = 256, 16, 512, 32
 H_BYTES = N * H * 4  # the frozen prefix's output

@@ -42,8 +42,8 @@ from remat.bench.suites import (
     load_workload,
     measure_setup,
 )
+from remat.core.units import format_bytes
 from remat.planners import BudgetTooSmallError
-from remat.units import format_bytes
 
 __all__ = [
     "DEFAULT_MODELS",
