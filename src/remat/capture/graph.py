@@ -19,11 +19,16 @@ the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls 
 * a node whose output no backward saves and that feeds exactly one other node is **merged into
   that node** (e.g. GPT-2's dropout before the residual add, ResNet's downsample batch norm
   before ``+=``): the simulator keeps a stored node's output until its backward, so a node whose
-  output autograd does not keep would be over-counted. After merging every node's output is
-  saved by some backward except the sinks and outputs read by several nodes.
-* calls whose outputs need no gradient (masks, position ids, integer arithmetic) are not nodes;
-  the storages they make that a backward saves are counted in ``Graph.input_bytes`` with the
-  batch. Nodes from which the loss cannot be reached are dropped.
+  output autograd does not keep would be over-counted. Not when the node's backward keeps
+  tensors and another node runs between it and that consumer (RegNet's ``proj(x) + f(x)``:
+  the engine runs the projection's batch-norm backward after the ``f`` branch's, so what it
+  saved outlives the sum's backward). After merging every node's output is saved by some
+  backward except the sinks, outputs read by several nodes and those kept apart so.
+* calls whose outputs need no gradient (masks, position ids, integer arithmetic, a frozen
+  prefix) are not nodes; the storages they make that a backward saves are counted in
+  ``Graph.input_bytes`` with the batch, the others, from the call that makes them to the
+  moment they are freed, are ``Graph.constants`` (:class:`~remat.core.graph.Constant`).
+  Nodes from which the loss cannot be reached are dropped.
 
 Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
 
@@ -79,9 +84,11 @@ Known limitations:
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -94,7 +101,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.core.graph import Graph, Node
+from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import garbage_collected, output_tensors, scratch_bytes
@@ -336,6 +343,9 @@ class _State:
     output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
     largest_output_bytes: int = 0  # its largest tensor (what a criterion on it may save)
     batch_ids: set[int] = field(default_factory=set)
+    born: dict[int, int] = field(default_factory=dict)  # no-grad storage -> the call making it
+    died: dict[int, int] = field(default_factory=dict)  # ... -> recorded calls when it was freed
+    finalizers: list[weakref.finalize] = field(default_factory=list)
 
     def scope(self) -> str:
         if not self.inside:
@@ -435,6 +445,13 @@ class _Recorder(TorchFunctionMode):
                 st.known[key] = _nbytes(t)
         changed = outs + [ins[i] for i in mutated]
         rec.requires_grad = any(t.requires_grad for t in changed)
+        if not rec.requires_grad:  # a constant: when is it freed? (Graph.constants)
+            for t, key, fresh in zip(outs, rec.out_keys, rec.new, strict=True):
+                if fresh and key not in st.born:
+                    st.born[key] = index
+                    st.finalizers.append(
+                        weakref.finalize(t.untyped_storage(), _freed, st.died, st.calls, key)
+                    )
         if rec.requires_grad and torch.is_grad_enabled():
             _claim_grad_fns(st, changed, index)
         return out
@@ -547,6 +564,11 @@ def _total_flops(counter: WorkCounter | None) -> float:
     return 0.0 if counter is None else counter.cost()
 
 
+def _freed(died: dict[int, int], calls: list[_Rec], key: int) -> None:
+    """A constant's storage was freed: note how many calls had been recorded by then."""
+    died.setdefault(key, len(calls))
+
+
 def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
     """Assign the autograd functions this call created (reachable from its outputs through
     functions no earlier call owns) to the call."""
@@ -654,6 +676,9 @@ def _record(
         if costs and loss.requires_grad:
             _backward_costs(st, loss, counter)
         del loss
+    for finalizer in st.finalizers:  # still alive: held to the end of the step
+        finalizer.detach()
+    st.finalizers.clear()
     return st
 
 
@@ -1033,6 +1058,20 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         for u in node.inputs:
             consumers[u].add(v)
     loss_node = owner.get(st.loss_key)
+    by_order = sorted((node.order, x) for x, node in enumerate(nodes))
+    orders = [o for o, _ in by_order]
+
+    def runs_between(v: int, w: int) -> bool:
+        """True when ``v``'s backward keeps tensors (a residual, saved inputs) and a node of
+        neither group runs between ``v`` and ``w``: the engine runs that node's backward
+        between theirs too, so ``v``'s saved tensors outlive ``w``'s backward (RegNet's
+        projection batch norm, then the residual branch, then the sum)."""
+        if not (nodes[v].own_saved or nodes[v].saved_inputs):
+            return False
+        lo = bisect.bisect_right(orders, nodes[v].order)
+        hi = bisect.bisect_left(orders, nodes[w].order)
+        return any(find(x) not in (w, find(v)) for _, x in by_order[lo:hi])
+
     for v in sorted(range(len(nodes)), key=lambda x: -nodes[x].order):
         if output_saved[v] or v == loss_node or not outs[v]:
             continue
@@ -1040,7 +1079,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         if len(targets) != 1:
             continue
         w = targets.pop()
-        if nodes[w].inside != nodes[v].inside:
+        if nodes[w].inside != nodes[v].inside or runs_between(v, w):
             continue
         parent[v] = w
         keep, gone = nodes[w], nodes[v]
@@ -1124,7 +1163,12 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(saved_constants.values())
-    graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
+    graph = Graph(
+        tuple(graph_nodes),
+        input_bytes=batch_bytes + const_bytes,
+        time_unit=time_unit,
+        constants=_constants(st, constants - saved_constants.keys(), node_calls, call_node),
+    )
     infos = tuple(
         CallInfo(
             index=rec.index,
@@ -1154,6 +1198,43 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         output_bytes=st.output_bytes,
         largest_output_bytes=st.largest_output_bytes,
     )
+
+
+def _constants(
+    st: _State,
+    keys: set[int],
+    node_calls: list[tuple[int, ...]],
+    call_node: list[int | None],
+) -> tuple[Constant, ...]:
+    """The storages made without gradient and saved by no backward that are live while a node
+    runs forward (:class:`~remat.core.graph.Constant`): from the call that made each to the
+    moment it was freed (the recorded calls by then; Python may hold it past its last read,
+    as a Hugging Face model holds its input embeddings to the end of its forward)."""
+    first_call = [min(c) for c in node_calls]
+    last_call = [max(c) for c in node_calls]
+    readers: dict[int, set[int]] = {}
+    for rec in st.calls:
+        v = call_node[rec.index]
+        if v is None:
+            continue
+        for k in rec.in_keys:
+            if k in keys:
+                readers.setdefault(k, set()).add(v)
+    out = []
+    for k in sorted(keys, key=lambda k: st.born.get(k, -1)):
+        born = st.born.get(k)
+        if born is None:
+            continue
+        died = st.died.get(k, len(st.calls))
+        mine = readers.get(k, set())
+        live = [
+            v
+            for v in range(len(node_calls))
+            if v in mine or (born < last_call[v] and died > first_call[v])
+        ]
+        if live:
+            out.append(Constant(st.known[k], min(live), max(live), tuple(sorted(mine))))
+    return tuple(out)
 
 
 def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[Node]:

@@ -58,7 +58,7 @@ from typing import Any
 from remat.core.chain import Chain
 from remat.core.schema import read_schema
 
-__all__ = ["Node", "Graph", "GRAPH_SCHEMA_VERSION"]
+__all__ = ["Node", "Constant", "Graph", "GRAPH_SCHEMA_VERSION"]
 
 GRAPH_SCHEMA_VERSION = 1
 
@@ -160,6 +160,49 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Constant:
+    """A tensor of the forward that needs no gradient and is no node (a frozen layer's output,
+    a mask, a base weight's product in a LoRA layer), live while nodes run forward.
+
+    A model whose first layers are frozen makes its activations there without autograd: they
+    get no node, yet the forward holds them (the residual stream entering the first trainable
+    layer, the frozen projections an adapter's sum reads), and a checkpointed segment that reads
+    one keeps it until the segment is recomputed in the backward. The simulator allocates it at
+    the first forward of node ``first``, frees it after the first forward of node ``last``, and
+    keeps it further for every later forward of a ``readers`` node (a recomputation reads the
+    copy its checkpoint kept). Constants that a backward saves are not listed: they are counted
+    in ``Graph.input_bytes``, all step."""
+
+    nbytes: int
+    """Bytes of its storage."""
+    first: int
+    """The first node (in node order) whose forward runs while it is live."""
+    last: int
+    """The last node whose first forward runs while it is live."""
+    readers: tuple[int, ...] = ()
+    """The nodes whose forward reads it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "readers", tuple(self.readers))
+        object.__setattr__(self, "nbytes", _as_bytes("<constant>", "nbytes", self.nbytes))
+        if not 0 <= self.first <= self.last:
+            raise ValueError(f"constant: need 0 <= first <= last, got {self.first}, {self.last}")
+        if any(not self.first <= v <= self.last for v in self.readers):
+            raise ValueError(
+                f"constant: readers {self.readers} outside [first, last] = "
+                f"[{self.first}, {self.last}]"
+            )
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "nbytes": self.nbytes,
+            "first": self.first,
+            "last": self.last,
+            "readers": list(self.readers),
+        }
+
+
+@dataclass(frozen=True)
 class Graph:
     """A DAG of costed nodes in topological order plus the graph input (module docstring)."""
 
@@ -169,6 +212,8 @@ class Graph:
     """Bytes of the graph input, live for the whole step (no gradient)."""
     time_unit: str = "s"
     """What the node times count: ``"s"`` (seconds) or ``"flop"``."""
+    constants: tuple[Constant, ...] = ()
+    """Tensors without gradient live while nodes run forward (:class:`Constant`)."""
     _consumers: tuple[tuple[int, ...], ...] = field(
         default=(), init=False, repr=False, compare=False
     )
@@ -202,6 +247,12 @@ class Graph:
                     )
                 consumers[u].append(v)
         set_(self, "_consumers", tuple(tuple(c) for c in consumers))
+        set_(self, "constants", tuple(self.constants))
+        for c in self.constants:
+            if not isinstance(c, Constant):
+                raise TypeError(f"Graph.constants holds {type(c).__name__}, expected Constant")
+            if c.last >= len(nodes):
+                raise ValueError(f"constant {c}: node {c.last} is not in the graph")
         if self.is_chain():  # one cost model: a chain's path graph has the chain's fingerprint
             set_(self, "_fingerprint", self.to_chain().fingerprint)
         else:
@@ -303,9 +354,13 @@ class Graph:
     def is_chain(self) -> bool:
         """True when this is the path graph of a :class:`~remat.core.chain.Chain`
         (:meth:`from_chain`): a path whose backwards read their input and keep their output,
-        as the chain model assumes."""
-        return self.is_path() and all(
-            node.keeps_output and node.backward_inputs == node.inputs for node in self.nodes
+        as the chain model assumes, with no :attr:`constants` (a chain has none)."""
+        return (
+            not self.constants
+            and self.is_path()
+            and all(
+                node.keeps_output and node.backward_inputs == node.inputs for node in self.nodes
+            )
         )
 
     def edges(self) -> list[tuple[int, int]]:
@@ -350,17 +405,26 @@ class Graph:
             )
 
         nodes = tuple(scale_node(node) for node in self.nodes)
-        return Graph(nodes, input_bytes=scale(self.input_bytes), time_unit=self.time_unit)
+        constants = tuple(replace(c, nbytes=scale(c.nbytes)) for c in self.constants)
+        return Graph(
+            nodes,
+            input_bytes=scale(self.input_bytes),
+            time_unit=self.time_unit,
+            constants=constants,
+        )
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "schema": "remat.graph",
             "version": GRAPH_SCHEMA_VERSION,
             "input_bytes": self.input_bytes,
             "time_unit": self.time_unit,
             "nodes": [node.to_obj() for node in self.nodes],
         }
+        if self.constants:  # graphs without constants read and hash as before
+            data["constants"] = [c.to_obj() for c in self.constants]
+        return data
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -372,8 +436,12 @@ class Graph:
         data = read_schema(text, "remat.graph", GRAPH_SCHEMA_VERSION, "remat graph", ValueError)
         known = {f.name for f in fields(Node)}
         nodes = tuple(Node(**{k: v for k, v in obj.items() if k in known}) for obj in data["nodes"])
+        constants = tuple(Constant(**obj) for obj in data.get("constants", ()))
         return cls(
-            nodes, input_bytes=data.get("input_bytes", 0), time_unit=data.get("time_unit", "s")
+            nodes,
+            input_bytes=data.get("input_bytes", 0),
+            time_unit=data.get("time_unit", "s"),
+            constants=constants,
         )
 
     def _canonical(self) -> str:

@@ -15,6 +15,10 @@ Two steps, both public so that an executor can be checked against them:
 The rules (``docs/graphs.md`` has them with an example):
 
 * The graph input (``input_bytes``) is live for the whole step.
+* A **constant** (``Graph.constants``: a tensor without gradient, such as a frozen layer's
+  output) is allocated at the first forward of its ``first`` node, freed after the first forward
+  of its ``last`` node, and kept for every later forward of a node that reads it (a
+  recomputation reads the copy its checkpoint frame kept).
 * Forward, in ``order`` (default: node order). A **stored** node (in no segment) runs with grad
   (``F_all``): it allocates ``saved_bytes`` (output + residual) and keeps them, plus the inputs
   its backward reads, until its backward. A node in a segment runs without grad (``F_none``):
@@ -67,8 +71,8 @@ __all__ = [
 
 Tensor = tuple[str, int, int]
 """A tensor of the schedule: ``(kind, node, version)``; kind is ``"out"`` (a node's output),
-``"res"`` (its saved residual, ``saved_bytes - out_bytes``) or ``"grad"`` (its gradient);
-version 0 is the first forward, each recomputation pass has its own number."""
+``"res"`` (its saved residual, ``saved_bytes - out_bytes``), ``"grad"`` (its gradient) or
+``"const"`` (``Graph.constants[node]``); version 0 is the first forward, each recomputation pass has its own number."""
 
 GRAPH_INPUT: Tensor = ("input", -1, 0)
 
@@ -290,6 +294,8 @@ def _describe(graph: Graph, tensor: Tensor) -> str:
     kind, v, version = tensor
     if kind == "input":
         return "the graph input"
+    if kind == "const":
+        return f"constant {v} (no gradient, {graph.constants[v].nbytes} bytes)"
     name = graph.nodes[v].name if 0 <= v < graph.n else "?"
     what = {"out": "the output", "res": "the saved residual", "grad": "the gradient"}[kind]
     copy = "" if kind == "grad" else (" (first forward)" if version == 0 else f" (pass {version})")
@@ -318,6 +324,21 @@ class _Lowering:
         self.recompute_at: dict[int, list[GraphSegment]] = {}
         self.passes = 0
         self.computed = [0] * graph.n
+        # constants (Graph.constants): allocated at the first forward of the earliest node
+        # (in ``order``) of their span, read by the first forward of the latest and by every
+        # forward of a reader (a recomputation reads the copy its checkpoint kept)
+        self.const_new: dict[int, list[tuple[Tensor, int]]] = {}
+        self.const_last: dict[int, list[Tensor]] = {}
+        self.const_reads: dict[int, list[Tensor]] = {}
+        for i, c in enumerate(graph.constants):
+            tensor: Tensor = ("const", i, 0)
+            span = (c.first, c.last, *c.readers)
+            self.const_new.setdefault(min(span, key=lambda x: self.pos[x]), []).append(
+                (tensor, c.nbytes)
+            )
+            self.const_last.setdefault(max(span, key=lambda x: self.pos[x]), []).append(tensor)
+            for v in c.readers:
+                self.const_reads.setdefault(v, []).append(tensor)
         for seg in plan.segments:
             self._index(seg, 0)
         for segs in self.recompute_at.values():
@@ -368,6 +389,13 @@ class _Lowering:
                 inputs = {u: t for u, t in zip(node.inputs, reads, strict=True)}
                 held = [out, res] if node.keeps_output else [res]
                 self.holds[v] = [*held, *(inputs[u] for u in node.backward_inputs)]
+            reads.extend(self.const_reads.get(v, ()))
+            if version == 0:
+                made = self.const_new.get(v, [])
+                allocs = [*made, *allocs]
+                reads.extend(self.const_last.get(v, ()))
+                if made:  # allocated by this op: not a read (its last use all the same)
+                    reads = [t for t in reads if t not in {m for m, _ in made}]
             recompute = self.computed[v] > 0
             self.computed[v] += 1
             op = "F_all" if grad else "F_none"

@@ -534,6 +534,14 @@ class RunModel(_Model):
             for v in range(u, self.hold[u] + 1):
                 self.col_S[(u, v)] = self._new()
         self.col_budget = self._new()
+        # constants (Graph.constants): live through the forwards of first..last; one that a
+        # recomputed node reads is kept to its recomputation (K >= r[reader]), counted from
+        # the forward after ``last`` to the backward of its first reader (an upper bound)
+        self.constants = [
+            (c.nbytes / self.scale, c.first, c.last, min(c.readers) if c.readers else None)
+            for c in graph.constants
+        ]
+        self.col_K = [self._new() if c.readers else None for c in graph.constants]
         self._build(overheads)
 
     def _S(self, u: int, v: int) -> int:
@@ -650,10 +658,31 @@ class RunModel(_Model):
                     coef[r[k]] = coef.get(r[k], 0.0) - 1.0
                     coef[e[k]] = coef.get(e[k], 0.0) + 1.0
                 self._row(coef, -(c - a), math.inf, "(1b) segment input")
+        # [K] a constant read by a recomputed node is kept until its recomputation
+        for K, c in zip(self.col_K, graph.constants, strict=True):
+            if K is not None:
+                for i in c.readers:
+                    self._row({K: 1.0, r[i]: -1.0}, 0, math.inf, "K kept constant")
+
+        def constants(coef: dict[int, float], stage: int | None) -> float:
+            """Add the constants live at forward ``stage`` (None: the loss, or the backward
+            stage of node ``-stage - 1``): their bytes, returned, or their K terms."""
+            const = 0.0
+            for (m, first, last, low), K in zip(self.constants, self.col_K, strict=True):
+                if stage is not None and stage >= 0 and first <= stage <= last:
+                    const += m
+                elif K is not None and (
+                    stage is None
+                    or (stage >= 0 and stage > last)
+                    or (stage < 0 and -stage - 1 >= low)  # type: ignore[operator]
+                ):
+                    coef[K] = coef.get(K, 0.0) + m
+            return const
+
         # [U <= budget] forward stages: kept copies, stored residuals, the node itself
         for t in range(n):
             coef = {B: -1.0, r[t]: -self.res[t]}
-            const = self.inp + self.saved[t] + self.foh[t]
+            const = self.inp + self.saved[t] + self.foh[t] + constants(coef, t)
             for u in range(t):
                 const += self.res[u]
                 coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
@@ -663,7 +692,7 @@ class RunModel(_Model):
                     coef[self._S(u, self.hold[u])] = self.out[u]
             self._row(coef, -math.inf, -const, "U <= budget (forward)")
         coef = {B: -1}
-        const = self.inp + self.loss_grads
+        const = self.inp + self.loss_grads + constants(coef, None)
         for u in range(n):
             const += self.res[u]
             coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
@@ -675,7 +704,7 @@ class RunModel(_Model):
         # [U <= budget] backward stage T(v): start memory + recomputed run (+ b_v's new grads)
         for v in range(n):
             coef = {B: -1, RS[v]: 1}
-            const = self.inp + self.grad_start[v]
+            const = self.inp + self.grad_start[v] + constants(coef, -v - 1)
             for u in range(v + 1):
                 const += self.res[u]
                 coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
@@ -689,6 +718,7 @@ class RunModel(_Model):
                 m_v = big
                 if self.cap is not None:
                     m_v = const + sum(self.out[u] for u in range(v + 1)) + ub_mx[v]
+                    m_v += sum(m for m, *_ in self.constants)
                 start[e[v]] = start.get(e[v], 0.0) + m_v
                 self._row(start, -math.inf, -const + m_v, "U <= budget (recompute)")
 
