@@ -126,10 +126,16 @@ EVERY_BLOCK = {
     "timm-vit": None,
     "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
     "tv-convnext": None,  # graph path
-    # graph path (54 nodes): every block checkpointed measures 1925900 B here (1803992 B in the
-    # conformance table); auto plans it at 1902480 B predicted, 1835724 B measured (3 of 3
-    # runs, and 1 of 1 on this branch's base, ba71047: not this branch's doing)
-    "tv-lraspp_mobilenet_v3": None,
+    # graph path (54 nodes): what every block checkpointed measures differs between machines
+    # and runs: 1925900 B in 4 of 4 runs on the dev machine today (auto then plans 1902480 B
+    # predicted, 1835724 B measured: passes), 1803992 B in the conformance table and on CI at
+    # stop 21 (auto's least 1855376 B: refused); not strict
+    "tv-lraspp_mobilenet_v3": (
+        "what checkpointing every block measures on LRASPP varies by machine (1803992 B in the "
+        "table and on CI, 1925900 B on the dev machine); at 1803992 B remat's graph-path least "
+        "(1855376 B) is above it and auto refuses",
+        False,
+    ),
     # graph path below its blocks chain's least. Its plans were under-predicted (measured
     # 426536 B at a 421976 B budget, predicted 419844 B: the causal mask, no gradient, kept by
     # the checkpoints; Graph.constants now): exact since (predicted 420356 B, measured 418856 B
