@@ -229,16 +229,18 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
         for row in measured[1:]:
             if "peak_bytes" in row:
                 targets.setdefault(row["peak_bytes"], row["method"].removeprefix("torch-"))
+        least = min(targets, default=None)  # torch.compile's least peak
         floor = _least_remat_budget(work)
-        if targets and floor is not None and floor < min(targets):
+        if least is not None and floor is not None and floor < least:
             # below torch.compile's least peak: fractions of it, and remat's own least
-            least = min(targets)
             for frac in below:
                 if int(least * frac) > floor:
                     targets.setdefault(int(least * frac), f"{frac:g}x-compile-min")
             targets.setdefault(floor, "least")
+        # the least of what auto(compile=True) plans (flat, compiled costs): above remat's
+        # eager least where a nested plan reaches lower
         cfloor = _least_remat_budget(cwork, FLAT_METHOD)
-        if targets and cfloor is not None and cfloor < min(targets):
+        if least is not None and cfloor is not None and cfloor < least:
             targets.setdefault(cfloor, "least-compiled")
         seen: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, plan) -> its row
         for budget, label in sorted(targets.items(), reverse=True):
