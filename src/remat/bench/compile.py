@@ -74,8 +74,9 @@ BELOW_FRACTIONS: tuple[float, ...] = ()  # the full run: remat's least only (CPU
 QUICK_BELOW_FRACTIONS = (0.8,)
 NOTES = (
     "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
-    "remat-eager@P / remat-compiled@P: remat's plan (optimal-time for a whole-step budget, as "
-    "remat.auto plans) at the measured peak of point P, run eagerly / under torch.compile. "
+    "remat-eager@P: remat's plan (optimal-time for a whole-step budget, as remat.auto plans) at "
+    "the measured peak of point P; remat-compiled@P: what remat.auto(compile=True) plans for it "
+    "(flat hong-dp on the stages' compiled saved bytes and times), run under torch.compile. "
     "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
     "median step time / median eager step time, interleaved in the same loop."
 )
