@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from remat import BudgetTooSmallError, Chain, Plan, simulate
+from remat.core.units import format_bytes
 from remat.planners import available, get_planner
-from remat.units import format_bytes
 
 SIZES = (10, 100, 1000)
 OPTIMAL_TIME_SIZES = (10, 100, 200)

@@ -35,9 +35,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat import zoo
-from remat.plans import Plan, Segment
-from remat.runtime import apply
-from remat.stages import split_stages
+from remat.capture.stages import split_stages
+from remat.core.plan import Plan, Segment
+from remat.execute.chain import apply
 
 
 class TorchEach(nn.Module):

@@ -23,9 +23,9 @@ Parts (each a key of the JSON):
 
 Bytes: saved activations by :func:`remat.levers.count_saved_tensors` or the compression's own
 statistics (unique storages, parameters and batch excluded); step peak by
-:func:`remat.measure.step_peak_bytes`. Gradient error: :func:`remat.levers.gradient_error`
+:func:`remat.measure.events.step_peak_bytes`. Gradient error: :func:`remat.levers.gradient_error`
 (relative L2 against fp32, same random state). Times: medians of interleaved steps
-(:func:`remat.measure.interleaved_times`), as ratios within one run.
+(:func:`remat.measure.events.interleaved_times`), as ratios within one run.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/levers.py`` (about 10 min on a 2-core CPU) writes
 ``docs/results/levers.json`` and ``docs/results/levers.md``; ``--parts sparsity,autocast`` runs
@@ -63,7 +63,7 @@ from remat.levers import (
     predicted_sparse_bytes,
     sparse_storage_bytes,
 )
-from remat.measure import interleaved_times, median_ratio, step_peak_bytes
+from remat.measure.events import interleaved_times, median_ratio, step_peak_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 PARTS = ("autocast", "storage", "microbatch", "sparsity")

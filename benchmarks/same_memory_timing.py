@@ -37,12 +37,12 @@ from remat.bench.methods import (  # noqa: E402
     remat_setup,
 )
 from remat.bench.suites import _model_options, load_workload, machine_info  # noqa: E402
-from remat.measure import interleaved_times, step_peak_bytes  # noqa: E402
+from remat.core.chain_simulate import simulate  # noqa: E402
+from remat.core.plan import Plan  # noqa: E402
+from remat.core.units import format_bytes  # noqa: E402
+from remat.execute.chain import apply  # noqa: E402
+from remat.measure.events import interleaved_times, step_peak_bytes  # noqa: E402
 from remat.planners import candidates  # noqa: E402
-from remat.plans import Plan  # noqa: E402
-from remat.runtime import apply  # noqa: E402
-from remat.simulate import simulate  # noqa: E402
-from remat.units import format_bytes  # noqa: E402
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ said so in the output) twice, with the same seeds, data order and number of step
 Both use SGD (momentum 0.9, Nesterov, weight decay 5e-4), learning rate 0.1 on a cosine
 schedule without warm-up, batch 128, no augmentation. After training, test accuracy on a
 held-out subset of the Fashion-MNIST test set, and the exact peak memory of one training step
-of each (``remat.measure.step_peak_bytes``, allocator events), plus the step of the levers run
+of each (``remat.measure.events.step_peak_bytes``, allocator events), plus the step of the levers run
 with the pruned weights and their momentum counted in CSR (int32 indices, real torch sparse
 tensors), as in ``remat bench sohoni``.
 
@@ -121,7 +121,7 @@ def run(
     from remat.api import plan as make_plan
     from remat.fit import make_setup
     from remat.levers import DynamicSparsity, Precision, magnitude_prune, split_batch
-    from remat.measure import step_peak_bytes
+    from remat.measure.events import step_peak_bytes
     from remat.planners.optimal_time import min_feasible_peak
 
     torch.manual_seed(args.seed)
@@ -315,7 +315,7 @@ def main() -> None:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    from remat.units import format_bytes
+    from remat.core.units import format_bytes
 
     b, lv = r["baseline"], r["with_levers"]
     m = r["machine"]

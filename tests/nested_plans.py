@@ -4,7 +4,7 @@ A plan over stages ``s..t`` is a sequence of segments covering them in order. Tw
 segments are never adjacent (``[1-2] [3]`` is ``[1-3]``: the same execution), and a
 checkpointed segment never has a single checkpointed child over its own range (``Segment``
 rejects it). Every other tree is enumerated, so minima over this list are the true minima over
-the plan space of :mod:`remat.plans`. Counts: n = 1: 2 plans, 2: 8, 3: 40, 4: 224, 5: 1,344,
+the plan space of :mod:`remat.core.plan`. Counts: n = 1: 2 plans, 2: 8, 3: 40, 4: 224, 5: 1,344,
 6: 8,448 (keep brute force to n <= 6).
 """
 

@@ -29,8 +29,8 @@ def test_entry_points_survive_importing_their_submodules() -> None:
     # the same name; importing those submodules (as remat's own code does) must not replace them
     code = (
         "import remat, types\n"
-        "from remat.profile import StepTracker\n"
-        "from remat.capture import capture_chain\n"
+        "from remat.measure.profile import StepTracker\n"
+        "from remat.capture.chain import capture_chain\n"
         "from remat.fit import fit\n"
         "import remat.capture\n"
         "names = ('profile', 'capture', 'fit', 'apply', 'auto', 'capture_chain')\n"
@@ -114,8 +114,8 @@ def test_cli_help_lists_commands() -> None:
 
 
 def test_plan_and_simulate_dispatch_on_graphs() -> None:
+    from remat.core.synthetic import residual_chain
     from remat.graphs import Graph, GraphPlan, simulate_graph
-    from remat.graphs.synthetic import residual_chain
 
     graph = residual_chain(4)
     assert isinstance(graph, Graph)

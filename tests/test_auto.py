@@ -16,12 +16,12 @@ from torch import nn
 import remat
 from remat import zoo
 from remat.auto import auto, fixed_bytes, predicted_step_peak_bytes
-from remat.capture import capture
-from remat.measure import step_peak_bytes
+from remat.capture.chain import capture
+from remat.capture.stages import UnsupportedModelError
+from remat.execute.chain import apply
+from remat.measure.events import step_peak_bytes
+from remat.measure.profile import profile
 from remat.planners import BudgetTooSmallError
-from remat.profile import profile
-from remat.runtime import apply
-from remat.stages import UnsupportedModelError
 
 SMALL = {
     "mlp-chain": {"batch_size": 64, "layers": 8, "width": 128},
@@ -255,7 +255,7 @@ def test_whole_step_peak_is_predicted_to_two_percent_on_a_chain() -> None:
     # that backward runs, which capture folds into bwd_overhead_bytes. Without it every
     # checkpointed plan was over-predicted by one activation (1 MiB here, ~5%).
     from remat.auto import stage_grad_bytes, total_peak_bytes
-    from remat.measure import step_peak_bytes
+    from remat.measure.events import step_peak_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(16)])
@@ -296,7 +296,7 @@ def test_whole_step_peak_is_exact_on_gpt2_with_gradient_timing() -> None:
     # exists; counting that gradient during the whole backward over-predicted by its size
     # (0.5 MiB of 65 MiB here), enough to deny a planner the very plan a peer measured.
     from remat.auto import stage_grad_bytes, total_peak_bytes
-    from remat.measure import step_peak_bytes
+    from remat.measure.events import step_peak_bytes
 
     entry = zoo.get("gpt2", batch_size=2, seq_len=128)
     torch.manual_seed(0)

@@ -72,8 +72,8 @@ def test_refuses_memory_efficient_and_dropout_and_other_models() -> None:
 
 def test_remat_every_stage_plan_gives_eager_gradients() -> None:
     from remat.api import plan as make_plan
-    from remat.capture import capture
-    from remat.runtime import apply
+    from remat.capture.chain import capture
+    from remat.execute.chain import apply
 
     chain_model = densenet_chain(_small_densenet())
     batch = (torch.randn(2, 3, 32, 32), torch.tensor([1, 3]))

@@ -122,8 +122,8 @@ def test_report_files(tmp_path, wrn_rows: list[dict]) -> None:
 
 def test_fake_rows_without_the_optimizer_equal_a_fake_step_with_it() -> None:
     """NOTE [ Fake rows without the optimizer ]: with SGD (which fake tensors can step) the
-    autocast row equals remat.profile's fake step with the optimizer, category by category."""
-    from remat.profile import profile
+    autocast row equals remat.measure.profile's fake step with the optimizer, category by category."""
+    from remat.measure.profile import profile
 
     bench = _bench("wrn-28-2", 8, depth=10, widen=1, image_size=16)
     bench.measure(sohoni.levers_for(True)[0])  # the real fp32 row first

@@ -1,4 +1,4 @@
-"""The generic stages of a forward over a list of blocks (remat.stages.families.blocks).
+"""The generic stages of a forward over a list of blocks (remat.capture.stages.families.blocks).
 
 Every model here is cut into prefix + one stage per block + suffix, without an adapter of its
 own; the planned model must give eager's loss, gradients, dropout masks and batch-norm
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import remat
-from remat.plans import Plan, Segment
-from remat.runtime import apply
-from remat.stages import StageMismatchError, run_stages, split_stages
-from remat.stages.families import FAMILIES, blocks
+from remat.capture.stages import StageMismatchError, run_stages, split_stages
+from remat.capture.stages.families import FAMILIES, blocks
+from remat.core.plan import Plan, Segment
+from remat.execute.chain import apply
 
 
 # ---------------------------------------------------------------------- models
@@ -225,7 +225,7 @@ def test_auto_plans_the_sequential_subclass_as_the_plain_sequential() -> None:
         planned(x).square().mean().backward()
         planned.zero_grad(set_to_none=True)
 
-    assert remat.measure.step_peak_bytes(step, planned, None, x) <= budget * 1.001
+    assert remat.measure.events.step_peak_bytes(step, planned, None, x) <= budget * 1.001
 
 
 # ---------------------------------------------------------------------- real families
@@ -381,8 +381,8 @@ def test_a_tensor_every_block_takes_is_counted_while_it_lives() -> None:
     # checkpointed, the mask the prefix made stays live (the blocks after take it); it was
     # predicted as dropped with the prefix's output (1 MiB under the measured peak)
     from remat.auto import predicted_step_peak_bytes
-    from remat.capture import capture
-    from remat.measure import step_peak_bytes
+    from remat.capture.chain import capture
+    from remat.measure.events import step_peak_bytes
 
     torch.manual_seed(0)
     model = MaskTower()

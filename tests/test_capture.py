@@ -9,12 +9,12 @@ from torch import nn
 
 from remat import Chain, Plan, zoo
 from remat.auto import predicted_step_peak_bytes
-from remat.capture import Captured, capture, capture_chain
-from remat.measure import step_peak_bytes
-from remat.stages import Stages, UnsupportedModelError
+from remat.capture.chain import Captured, capture, capture_chain
+from remat.capture.stages import Stages, UnsupportedModelError
+from remat.measure.events import step_peak_bytes
 
 # Issue 3's key test: the whole step's peak predicted from the captured chain (no plan) vs the
-# exact peak of a real step, counted from the allocator's events (remat.measure.step_peak_bytes:
+# exact peak of a real step, counted from the allocator's events (remat.measure.events.step_peak_bytes:
 # it also sees the scratch memory oneDNN kernels allocate inside convolutions and LSTMs, which
 # MemTracker cannot). Sizes keep the suite fast on a 2-core CPU.
 KEY_MODELS = {

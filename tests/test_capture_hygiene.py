@@ -13,13 +13,13 @@ from torch import nn
 
 import remat
 from remat.auto import auto, fixed_bytes, stage_grad_bytes
-from remat.capture import capture, capture_chain
-from remat.graphs.capture import trace_graph
+from remat.capture.chain import capture, capture_chain
+from remat.capture.graph import trace_graph
+from remat.capture.stages import UnsupportedModelError
 from remat.guards import InPlaceInputError
-from remat.measure import step_peak_bytes
+from remat.measure.events import step_peak_bytes
+from remat.measure.profile import default_loss_fn, optimizer_costs, profile
 from remat.planners import BudgetTooSmallError
-from remat.profile import default_loss_fn, optimizer_costs, profile
-from remat.stages import UnsupportedModelError
 
 
 # ---------------------------------------------------------------------- the caller's batch

@@ -3,7 +3,7 @@ remat's plan decides what is recomputed (runtime.py, NOTE [ Compiled plans ]).
 
 Gradients are compared with the eager, unplanned model at ``rtol=1e-4, atol=1e-5`` (CPU fp32:
 inductor's fused kernels sum in another order). Peaks are the allocator's
-(:func:`remat.measure.step_peak_bytes`, which sees inside compiled code). Inductor's C++
+(:func:`remat.measure.events.step_peak_bytes`, which sees inside compiled code). Inductor's C++
 compile takes seconds per graph on a CPU, so one test compiles with inductor; the others use
 ``aot_eager_decomp_partition`` (dynamo, AOTAutograd and the same min-cut partitioner, run
 eagerly): what is saved and recomputed is decided as under inductor.
@@ -22,10 +22,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import remat
-from remat.capture import capture
-from remat.errors import UnsupportedModelError
-from remat.measure import step_peak_bytes
-from remat.plans import Segment
+from remat.capture.chain import capture
+from remat.core.errors import UnsupportedModelError
+from remat.core.plan import Segment
+from remat.measure.events import step_peak_bytes
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 PARTITIONER = {"backend": "aot_eager_decomp_partition"}

@@ -73,7 +73,7 @@ ABOVE_EVERY_BLOCK = (
 XFAIL: dict[tuple[str, str], str] = {
     ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
 }
-# RegNet takes the chain path now (remat.stages.families.blocks: its trunk's stages of
+# RegNet takes the chain path now (remat.capture.stages.families.blocks: its trunk's stages of
 # blocks), where it trains within the budget; REGNET_UNDER stays true of the graph path
 
 

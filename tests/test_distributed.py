@@ -39,6 +39,7 @@ from torch import nn
 
 import remat
 from remat import BudgetTooSmallError, Plan, PlanError, Segment
+from remat.capture.stages import split_stages
 from remat.distributed import (
     PlanMismatchError,
     WrapOrderError,
@@ -50,7 +51,6 @@ from remat.distributed import (
     rank_memory,
     shard_units,
 )
-from remat.stages import split_stages
 
 pytest.importorskip("transformers")
 # The ranks are forked: a process that has run a backward under fake tensors or
@@ -255,7 +255,7 @@ def _measured_peak(wrapped: nn.Module, batch: Any, loss_fn: Callable) -> int:
     tracker counts DDP's buckets too: their storage is seen when the reducer writes gradients
     into them (a single process measures exactly that much less).
     """
-    from remat.profile import profile
+    from remat.measure.profile import profile
 
     for _ in range(2):
         loss_fn(wrapped, batch).backward()

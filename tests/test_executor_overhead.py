@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from remat import Chain, Plan, Segment, simulate
-from remat.measure import step_peak_bytes
-from remat.runtime import apply
+from remat.execute.chain import apply
+from remat.measure.events import step_peak_bytes
 
 
 def _plans(n: int) -> dict[str, Plan]:

@@ -20,11 +20,11 @@ from torch import nn
 
 import remat
 from remat import Plan, Segment
-from remat.graphs.capture import trace_graph
-from remat.graphs.plan import GraphPlan
-from remat.graphs.runtime import apply_graph
-from remat.measure import step_peak_bytes
-from remat.runtime import InPlaceInputError
+from remat.capture.graph import trace_graph
+from remat.core.graph_plan import GraphPlan
+from remat.execute.chain import InPlaceInputError
+from remat.execute.graph import apply_graph
+from remat.measure.events import step_peak_bytes
 
 
 def assert_grads_equal(ref: nn.Module, got: nn.Module, rtol: float = 1e-5, atol: float = 1e-6):
@@ -139,7 +139,7 @@ def test_graph_batchnorm_segment_backward_twice(mode: str) -> None:
 
 # ---------------------------------------------------------------------- 2. HF eager attention
 def _tiny_qwen2() -> nn.Module:
-    # not cut into stages (Mistral, which this test used, now is: remat.stages.families.hf)
+    # not cut into stages (Mistral, which this test used, now is: remat.capture.stages.families.hf)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -166,13 +166,13 @@ def _tiny_gpt2_subclass() -> nn.Module:
 
 @pytest.fixture
 def without_generic_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Models the generic blocks family (remat.stages.families.blocks) cuts into a chain take
+    """Models the generic blocks family (remat.capture.stages.families.blocks) cuts into a chain take
     the module-graph path without it: the graph path is tested on them too."""
-    import remat.stages
-    from remat.stages.families import blocks
+    import remat.capture.stages
+    from remat.capture.stages.families import blocks
 
-    families = tuple(f for f in remat.stages.FAMILIES if f is not blocks.split)
-    monkeypatch.setattr(remat.stages, "FAMILIES", families)
+    families = tuple(f for f in remat.capture.stages.FAMILIES if f is not blocks.split)
+    monkeypatch.setattr(remat.capture.stages, "FAMILIES", families)
 
 
 @pytest.mark.parametrize("path", ["graph", "chain"])

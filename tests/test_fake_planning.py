@@ -1,5 +1,5 @@
 """Planning without the eager step: ``remat.auto(..., fake=True)`` and the calibrated time model
-(src/remat/calibration.py; issue #18).
+(src/remat/measure/calibration.py; issue #18).
 
 The fake capture must see the bytes the real one sees (chain and graph paths), planning must
 take a small fraction of the eager step's memory and never run the model on real tensors, the
@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-import remat.calibration as calibration
+import remat.measure.calibration as calibration
 from remat import Chain, zoo
 from remat.auto import auto, fixed_bytes
-from remat.calibration import TimeModel, WorkCounter, time_model_for
-from remat.capture import capture
-from remat.graphs.capture import trace_graph
-from remat.measure import step_peak_bytes
-from remat.profile import profile
+from remat.capture.chain import capture
+from remat.capture.graph import trace_graph
+from remat.measure.calibration import TimeModel, WorkCounter, time_model_for
+from remat.measure.events import step_peak_bytes
+from remat.measure.profile import profile
 
 
 @pytest.fixture(scope="module")
@@ -304,12 +304,12 @@ def test_time_model_refuses_negative_or_missing_numbers() -> None:
 
 # ------------------------------------------------------------------------------ CLI
 def test_cli_plan_fake_captures_a_model_under_fake_tensors(capsys, monkeypatch) -> None:
-    import remat.commands.plan as plan_command
+    import remat.cli.plan as plan_command
     from remat.cli import main
 
     seen = []
     real = calibration.time_model_for
-    # where the CLI looks it up (remat.commands.plan imports it at its top)
+    # where the CLI looks it up (remat.cli.plan imports it at its top)
     monkeypatch.setattr(plan_command, "time_model_for", lambda *a: seen.append(a) or real(*a))
     args = ["plan", "mlp-chain", "--batch", "8", "--method", "optimal-time", "--json"]
     assert main([*args, "--fake"]) == 0

@@ -21,7 +21,7 @@ from remat import Plan, simulate
 from remat.cli import main
 from remat.fit import FitBudgetError, FitCandidate, FitSetup, fit, make_setup
 from remat.levers import predicted_sparse_bytes
-from remat.measure import step_peak_bytes, unique_storage_bytes
+from remat.measure.events import step_peak_bytes, unique_storage_bytes
 
 
 def _mlp(width: int = 64, layers: int = 8, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -290,7 +290,7 @@ def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixt
 def test_loss_that_calls_the_model_on_part_of_the_batch() -> None:
     """batch = (x, y) and the loss calls model(x): the plan is made for x's microbatch (what the
     model receives), and the microbatched step gives the full batch's gradients."""
-    from remat.runtime import input_signature
+    from remat.execute.chain import input_signature
 
     model = _mlp(width=32, layers=4, dtype=torch.float64)
     x, y = torch.randn(32, 32, dtype=torch.float64), torch.randn(32, 32, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""capture_graph: exact bytes, structure, fake == real, JSON (src/remat/graphs/capture.py)."""
+"""capture_graph: exact bytes, structure, fake == real, JSON (src/remat/capture/graph.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat import zoo
-from remat.graphs.capture import LOSS_SCOPE, capture_graph, trace_graph, trace_levels
-from remat.graphs.graph import Graph
+from remat.capture.graph import LOSS_SCOPE, capture_graph, trace_graph, trace_levels
+from remat.core.graph import Graph
 
 SMALL = {
     "resnet18": dict(image_size=32, batch_size=2),

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from remat import Chain, Plan, Segment, simulate
+from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
     GraphPlan,
@@ -26,7 +27,6 @@ from remat.graphs import (
     run_schedule,
     simulate_graph,
 )
-from remat.graphs.synthetic import inception_block, random_dag, residual_chain
 from remat.planners import BudgetTooSmallError
 
 # ---------------------------------------------------------------------------- helpers

@@ -23,13 +23,13 @@ import torch
 from test_graph_capture import saved_bytes_of_one_forward
 from torch import nn
 
-from remat.graphs.capture import trace_levels
-from remat.graphs.graph import Graph
-from remat.graphs.plan import GraphPlan
-from remat.graphs.planners import plan_graph
-from remat.graphs.runtime import apply_graph
-from remat.graphs.simulate import simulate_step_peak
-from remat.measure import step_peak_bytes, unique_storage_bytes
+from remat.capture.graph import trace_levels
+from remat.core.graph import Graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_step_peak
+from remat.execute.graph import apply_graph
+from remat.measure.events import step_peak_bytes, unique_storage_bytes
+from remat.planners.graph import plan_graph
 
 # name: (image, batch, torchvision options); the smallest inputs each model accepts
 MODELS = {

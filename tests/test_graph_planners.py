@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from remat import Chain, Plan, Segment, simulate
+from remat.core.synthetic import dense_block, inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
     GraphPlan,
@@ -20,16 +21,15 @@ from remat.graphs import (
     plan_graph,
     simulate_graph,
 )
-from remat.graphs.articulation import (
+from remat.planners import BudgetTooSmallError, available
+from remat.planners.articulation import (
     ArticulationError,
     block_chain,
     chain_plan_to_graph,
     cut_points,
 )
-from remat.graphs.milp import MilpConfig, backward_floor
-from remat.graphs.reforward import DivisionTree, FengGraph, feng_cost
-from remat.graphs.synthetic import dense_block, inception_block, random_dag, residual_chain
-from remat.planners import BudgetTooSmallError, available
+from remat.planners.checkmate_milp import MilpConfig, backward_floor
+from remat.planners.reforward_graph import DivisionTree, FengGraph, feng_cost
 
 SHAPES = {
     "residual": residual_chain(1),

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from remat.bench import reforward as rf
-from remat.graphs.plan import GraphPlan
-from remat.graphs.simulate import simulate_graph
-from remat.graphs.synthetic import dense_block, residual_chain
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_graph
+from remat.core.synthetic import dense_block, residual_chain
 
 REQUIRED = ("model", "method", "part", "peak_bytes", "memory_ratio", "time_ratio")
 

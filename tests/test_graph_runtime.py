@@ -10,15 +10,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import zoo
-from remat.graphs import runtime
-from remat.graphs.capture import trace_graph
-from remat.graphs.plan import GraphPlan, GraphSegment
-from remat.graphs.planners import plan_graph
-from remat.graphs.runtime import GraphExecutionError, apply_graph
-from remat.graphs.simulate import simulate_graph, simulate_step_peak
-from remat.measure import step_peak_bytes, unique_storage_bytes
-from remat.profile import profile
-from remat.runtime import SignatureMismatchError
+from remat.capture.graph import trace_graph
+from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.simulate import simulate_graph, simulate_step_peak
+from remat.execute import graph as runtime
+from remat.execute.chain import SignatureMismatchError
+from remat.execute.graph import GraphExecutionError, apply_graph
+from remat.measure.events import step_peak_bytes, unique_storage_bytes
+from remat.measure.profile import profile
+from remat.planners.graph import plan_graph
 
 MODELS = {
     "resnet18": dict(image_size=32, batch_size=4),
@@ -121,7 +121,7 @@ def test_measured_peak_is_within_3_percent_of_simulate(name):
 
 
 def measured_and_predicted_step_peak(entry, trace, plan) -> tuple[int, int, int]:
-    """The whole step's peak counted from the allocator's events (remat.measure), its
+    """The whole step's peak counted from the allocator's events (remat.measure.events), its
     prediction from the graph (simulate_step_peak), and the fixed bytes (parameters, buffers,
     batch) both include. The step starts with no parameter gradient."""
     model = entry.model

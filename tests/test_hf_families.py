@@ -1,4 +1,4 @@
-"""The shared decoder-only adapter (remat.stages.families.hf) on a family it was extended to:
+"""The shared decoder-only adapter (remat.capture.stages.families.hf) on a family it was extended to:
 Mistral (Llama's layout, with a sliding-window causal mask when configured)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import remat
-from remat.plans import Plan
-from remat.runtime import apply
-from remat.stages import run_stages, split_stages
-from remat.stages.families import FAMILIES, hf
+from remat.capture.stages import run_stages, split_stages
+from remat.capture.stages.families import FAMILIES, hf
+from remat.core.plan import Plan
+from remat.execute.chain import apply
 
 transformers = pytest.importorskip("transformers")
 

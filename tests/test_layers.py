@@ -13,24 +13,24 @@ import pytest
 
 PURE_MODULES = (
     "remat",
-    "remat.units",
-    "remat.errors",
-    "remat.costs",
-    "remat.plans",
-    "remat.simulate",
+    "remat.core.units",
+    "remat.core.errors",
+    "remat.core.chain",
+    "remat.core.plan",
+    "remat.core.chain_simulate",
     "remat.planners",
     "remat.api",
     "remat.planning",
-    "remat.step",
+    "remat.core.step",
     "remat.graphs",
-    "remat.graphs.graph",
-    "remat.graphs.plan",
-    "remat.graphs.simulate",
-    "remat.graphs.planners",
-    "remat.graphs.milp",
-    "remat.graphs.reforward",
-    "remat.graphs.articulation",
-    "remat.graphs.synthetic",
+    "remat.core.graph",
+    "remat.core.graph_plan",
+    "remat.core.simulate",
+    "remat.planners.graph",
+    "remat.planners.checkmate_milp",
+    "remat.planners.reforward_graph",
+    "remat.planners.articulation",
+    "remat.core.synthetic",
 )
 
 
@@ -43,7 +43,7 @@ def test_pure_modules_plan_with_torch_blocked() -> None:
             importlib.import_module(name)
         import remat
         from remat.graphs import plan_graph, simulate_graph
-        from remat.graphs.synthetic import residual_chain
+        from remat.core.synthetic import residual_chain
 
         chain = remat.Chain.homogeneous(6, out_bytes=10)
         none_peak = remat.simulate(chain, remat.Plan.none()).peak_bytes
@@ -58,7 +58,7 @@ def test_pure_modules_plan_with_torch_blocked() -> None:
             assert remat.simulate(graph, gp).peak_bytes == simulate_graph(graph, gp).peak_bytes
             assert gp.predicted_peak_bytes == plan_graph(graph, method).predicted_peak_bytes
         from remat.planning import plan_for_step, step_peak_of
-        from remat.step import StepCosts
+        from remat.core.step import StepCosts
 
         costs = StepCosts(persistent_bytes=100, grad_bytes=(3,) * 6, checkpoint_state_bytes=7)
         chosen = plan_for_step(chain, costs, 100 + 18 + none_peak)
@@ -76,19 +76,21 @@ def test_pure_modules_plan_with_torch_blocked() -> None:
 
 
 def test_moved_definitions_keep_their_old_import_paths() -> None:
+    import remat.capture.stages
     import remat.distributed
     import remat.guards
     import remat.report
-    import remat.stages
-    from remat.errors import UnsupportedModelError
-    from remat.profile import format_memory_report
+    from remat.core.errors import UnsupportedModelError
+    from remat.measure.profile import format_memory_report
 
     assert remat.distributed.check_not_wrapped is remat.guards.check_not_wrapped
     assert remat.distributed.WrapOrderError is remat.guards.WrapOrderError
     assert remat.distributed.ORDER_HELP is remat.guards.ORDER_HELP
-    assert remat.stages.check_no_own_checkpointing is remat.guards.check_no_own_checkpointing
-    assert remat.stages.UnsupportedModelError is UnsupportedModelError
-    assert issubclass(remat.stages.StageMismatchError, UnsupportedModelError)
+    assert (
+        remat.capture.stages.check_no_own_checkpointing is remat.guards.check_no_own_checkpointing
+    )
+    assert remat.capture.stages.UnsupportedModelError is UnsupportedModelError
+    assert issubclass(remat.capture.stages.StageMismatchError, UnsupportedModelError)
     assert remat.report.format_memory_report is format_memory_report
 
 

@@ -41,7 +41,7 @@ from remat.levers import (
     split_sizes,
 )
 from remat.levers import offload as offload_module
-from remat.measure import unique_storage_bytes
+from remat.measure.events import unique_storage_bytes
 
 # ---------------------------------------------------------------------- models and data
 
@@ -545,7 +545,7 @@ def test_microbatching_composes_with_a_remat_plan():
     planned = remat.apply(model, remat.Plan.every_stage(), example=batch[0][:4])
     accumulate_step(planned, batch, 4, mse)
     assert_grads_close(grads(model), grads(ref), rtol=1e-10, atol=1e-12)
-    with pytest.raises(remat.runtime.SignatureMismatchError):
+    with pytest.raises(remat.execute.chain.SignatureMismatchError):
         accumulate_step(planned, batch, 2, mse)
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from remat.auto import auto
-from remat.measure import step_peak_bytes
+from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
 
 Loop = Callable[[nn.Module, torch.optim.Optimizer], None]
@@ -339,8 +339,8 @@ def test_one_whole_step_model_adds_the_held_output_everywhere() -> None:
     # whole timeline and at the optimizer step, so every prediction rises by exactly its bytes
     import remat
     from remat.auto import total_peak_bytes
+    from remat.core.step import StepCosts, StepEvent, step_peak
     from remat.graphs import Graph, GraphPlan, simulate_step_peak
-    from remat.step import StepCosts, StepEvent, step_peak
 
     chain = remat.Chain(
         fwd_time=[1.0] * 4,
@@ -376,6 +376,6 @@ def test_the_whole_step_model_imports_no_torch() -> None:
         "        if name == 'torch' or name.startswith('torch.'):\n"
         "            raise ImportError('torch blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import remat.step\n"
+        "import remat.core.step\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

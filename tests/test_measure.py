@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from remat.measure import interleaved_times, median_ratio, step_peak_bytes, unique_storage_bytes
+from remat.measure.events import (
+    interleaved_times,
+    median_ratio,
+    step_peak_bytes,
+    unique_storage_bytes,
+)
 
 
 def _mlp() -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """One simulator: every planner's plans, chain and graph, run through ``lower_plan`` +
-``run_schedule`` (the symbolic interpreter of :mod:`remat.graphs.simulate`).
+``run_schedule`` (the symbolic interpreter of :mod:`remat.core.simulate`).
 
 :func:`remat.simulate` keeps a chain fast path (it is several times faster than the general
 interpreter on the long chains the planners' sweeps simulate, and the interpreter cannot sit
@@ -20,9 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nested_plans import nested_plans
 
-import remat.graphs.simulate as graphs_simulate
+import remat.core.simulate as graphs_simulate
 from remat import Chain, Plan, simulate
-from remat.errors import InfeasibleScheduleError, RematError, UnsupportedModelError
+from remat.core.errors import InfeasibleScheduleError, RematError, UnsupportedModelError
+from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
     GraphPlan,
@@ -32,7 +33,6 @@ from remat.graphs import (
     plan_graph,
     run_schedule,
 )
-from remat.graphs.synthetic import inception_block, random_dag, residual_chain
 from remat.planners import BudgetTooSmallError, available, least_peak, plan_chain
 
 CHAIN_PLANNERS = available()

@@ -15,15 +15,7 @@ from nested_plans import brute_force, min_time_within
 
 import remat
 from remat import BudgetTooSmallError, Chain, Plan, simulate
-from remat.graphs.planners import (
-    GraphPlanner,
-    available_graph_planners,
-    get_graph_planner,
-    least_graph_peak,
-    plan_graph,
-    sweep_graph,
-)
-from remat.graphs.synthetic import random_dag
+from remat.core.synthetic import random_dag
 from remat.planners import (
     _REGISTRY,
     Planner,
@@ -34,6 +26,14 @@ from remat.planners import (
     least_peak,
     plan_chain,
     sweep,
+)
+from remat.planners.graph import (
+    GraphPlanner,
+    available_graph_planners,
+    get_graph_planner,
+    least_graph_peak,
+    plan_graph,
+    sweep_graph,
 )
 from remat.planners.optimal_time import min_feasible_peak
 from remat.planners.optimal_time import sweep as optimal_time_sweep

@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import Branchy
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.plan import Plan
+from remat.core.step import StepCosts
+from remat.core.synthetic import random_dag, residual_chain
 from remat.graphs import GraphPlan
-from remat.graphs.synthetic import random_dag, residual_chain
 from remat.planners import BudgetTooSmallError
 from remat.planning import least_step_plan, plan_for_step, step_candidates, step_peak_of
-from remat.plans import Plan
-from remat.step import StepCosts
 
 
 def _none(structure):
@@ -164,7 +164,7 @@ def test_no_budget_is_least_memory_within_one_forward() -> None:
     costs = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 10)
     chosen = plan_for_step(chain, costs, None)
     none = Plan.none(chain)
-    from remat.simulate import simulate
+    from remat.core.chain_simulate import simulate
 
     limit = simulate(chain, none).total_time + chain.total_fwd_time()
     assert simulate(chain, chosen).total_time <= limit
@@ -187,8 +187,8 @@ def test_plan_for_step_contracts_on_captured_models() -> None:
 
     from remat import zoo
     from remat.auto import checkpoint_state_bytes, fixed_bytes, stage_grad_bytes
-    from remat.capture import capture
-    from remat.graphs.capture import trace_graph
+    from remat.capture.chain import capture
+    from remat.capture.graph import trace_graph
 
     for name, kwargs in (
         ("mlp-chain", {"batch_size": 64, "layers": 8, "width": 128}),

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from remat import zoo
-from remat.measure import step_peak_bytes
-from remat.profile import (
+from remat.measure.events import step_peak_bytes
+from remat.measure.profile import (
     CATEGORIES,
     MemoryReport,
     default_loss_fn,
@@ -202,7 +202,7 @@ def test_cuda_reports_max_memory_allocated():
 
 # ---------------------------------------------------------------------- the command
 def _args(model, *extra):
-    from remat.commands import profile as command
+    from remat.cli import profile as command
 
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
@@ -274,7 +274,7 @@ def test_optimizer_costs_take_the_real_optimizers_implementation(monkeypatch):
     # always loop; optimizer_costs fixes the choice the real one makes (foreach on CUDA).
     import torch.optim.optimizer as torch_optimizer
 
-    from remat.profile import optimizer_costs
+    from remat.measure.profile import optimizer_costs
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))

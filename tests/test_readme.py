@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.measure import step_peak_bytes
-from remat.units import parse_bytes
+from remat.core.units import parse_bytes
+from remat.measure.events import step_peak_bytes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

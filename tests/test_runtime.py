@@ -1,4 +1,4 @@
-"""remat.runtime: a plan applied with nested non-reentrant checkpoints gives the unplanned
+"""remat.execute.chain: a plan applied with nested non-reentrant checkpoints gives the unplanned
 model's loss and gradients, runs exactly the forwards remat.simulate counts, keeps batch-norm
 statistics and dropout masks right, and refuses plans made for other inputs."""
 
@@ -14,10 +14,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-import remat.runtime as runtime
+import remat.execute.chain as runtime
 from remat import Chain, Plan, PlanError, Segment, simulate
-from remat.runtime import PlannedModule, SignatureMismatchError, apply
-from remat.stages import split_stages
+from remat.capture.stages import split_stages
+from remat.execute.chain import PlannedModule, SignatureMismatchError, apply
 
 # ---------------------------------------------------------------------- helpers
 
@@ -579,8 +579,8 @@ def test_inner_checkpoint_inputs_are_freed_after_the_forward():
 
 
 def test_measured_peak_matches_simulate():
-    """Exact allocator bytes of a step equal remat.simulate's peak on a Linear chain."""
-    from remat.measure import step_peak_bytes
+    """Exact allocator bytes of a step equal remat.core.chain_simulate's peak on a Linear chain."""
+    from remat.measure.events import step_peak_bytes
 
     torch.manual_seed(0)
     n, batch, width = 12, 2048, 64

@@ -22,9 +22,9 @@ from torch import nn
 
 import remat
 from remat.auto import AutoSummary, auto
-from remat.measure import step_peak_bytes
+from remat.execute.chain import SignatureMismatchError, input_signature
+from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
-from remat.runtime import SignatureMismatchError, input_signature
 
 
 def _mlp(width: int = 128, layers: int = 8, classes: int = 10) -> nn.Sequential:
@@ -253,9 +253,9 @@ def test_graph_path_replans_a_new_batch_size_within_the_budget() -> None:
 
 
 def test_apply_graph_without_replan_still_refuses_clearly() -> None:
+    from remat.capture.graph import trace_graph
+    from remat.execute.graph import apply_graph
     from remat.graphs import GraphPlan
-    from remat.graphs.capture import trace_graph
-    from remat.graphs.runtime import apply_graph
 
     model = Skip()
     x = torch.randn(8, 32)
@@ -350,7 +350,7 @@ def test_budget_percent_inf_and_fraction() -> None:
     ],
 )
 def test_bad_budgets_are_clear_errors(budget: Any, error: type, message: str) -> None:
-    from remat.units import resolve_budget
+    from remat.core.units import resolve_budget
 
     with pytest.raises(error, match=message):
         resolve_budget(budget, 1000)
@@ -397,9 +397,9 @@ def test_percent_budgets_in_plan_fit_and_the_cli(capsys: pytest.CaptureFixture[s
 
 @pytest.mark.parametrize("version", ["1", 2, None, 1.0])
 def test_plan_files_of_another_version_are_clear_errors(version: Any) -> None:
+    from remat.core.graph_plan import GraphPlanError
+    from remat.core.plan import PlanError
     from remat.graphs import GraphPlan
-    from remat.graphs.plan import GraphPlanError
-    from remat.plans import PlanError
 
     plan = remat.Plan.from_checkpoints(8, [3, 6])
     data = json.loads(plan.to_json()) | {"version": version}

@@ -1,4 +1,4 @@
-"""remat.stages: models cut into sequential stages compute exactly what the model computes."""
+"""remat.capture.stages: models cut into sequential stages compute exactly what the model computes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torchvision
 from torch import nn
 
-from remat.stages import (
+from remat.capture.stages import (
     StageMismatchError,
     Stages,
     UnsupportedModelError,
@@ -107,7 +107,7 @@ def test_subclass_with_own_forward_is_not_recognised():
 
     model = MyNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1])
     # not a ResNet to the splitter: the generic stages around its largest list of modules
-    # (remat.stages.families.blocks), which are refused on the first call (not a chain)
+    # (remat.capture.stages.families.blocks), which are refused on the first call (not a chain)
     stages = split_stages(model)
     assert stages.kind == "blocks"
     with pytest.raises(UnsupportedModelError, match="name the stage boundaries"):

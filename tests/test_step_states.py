@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from remat.auto import checkpoint_state_bytes, predicted_step_peak_bytes
-from remat.capture import capture
-from remat.measure import SCRATCH_MIN_BYTES, step_peak_bytes
-from remat.plans import Plan
-from remat.runtime import apply
-from remat.step import StepEvent, segment_state_bytes
+from remat.capture.chain import capture
+from remat.core.plan import Plan
+from remat.core.step import StepEvent, segment_state_bytes
+from remat.execute.chain import apply
+from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
 
 
 def test_segment_states_live_from_forward_to_backward() -> None:

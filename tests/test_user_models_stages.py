@@ -18,17 +18,17 @@ from torch import nn
 
 import remat
 from remat.auto import stage_grad_bytes
-from remat.capture import capture, capture_chain
-from remat.costs import Chain
-from remat.plans import Plan, PlanError
-from remat.runtime import apply
-from remat.stages import (
+from remat.capture.chain import capture, capture_chain
+from remat.capture.stages import (
     StageMismatchError,
     Stages,
     UnsupportedModelError,
     run_stages,
     split_stages,
 )
+from remat.core.chain import Chain
+from remat.core.plan import Plan, PlanError
+from remat.execute.chain import apply
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -318,8 +318,8 @@ def _bert_model(hf):
 
 @pytest.mark.parametrize("make", [_gpt2, _bert, _bert_model])
 def test_hf_own_gradient_checkpointing_is_refused_everywhere(hf, make):
-    from remat.graphs.capture import trace_graph
-    from remat.graphs.runtime import apply_graph
+    from remat.capture.graph import trace_graph
+    from remat.execute.graph import apply_graph
 
     torch.manual_seed(0)
     model, ids = make(hf)

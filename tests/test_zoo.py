@@ -164,15 +164,15 @@ ROCKMATE_SMALL = {
 
 @pytest.mark.parametrize("name", sorted(ROCKMATE_SMALL))
 def test_rockmate_models_capture_as_chains_with_equal_gradients(name):
-    from remat.capture import capture
-    from remat.runtime import apply
+    from remat.capture.chain import capture
+    from remat.execute.chain import apply
 
     entry = zoo.get(name, **ROCKMATE_SMALL[name])
     expected_stages = {"regnet": 2 + 16, "unet": 2 + 1 + 2 + 1, "mlp-mixer": 1 + 2 + 1}
     captured = capture(entry.model, entry.batch, loss_fn=entry.loss_fn, repeats=1)
     assert captured.chain.n == expected_stages.get(name, 1 + 33 + 1)  # resnet101: 3+4+23+3
     # every stage checkpointed: same loss and gradients as the model itself
-    from remat.plans import Plan
+    from remat.core.plan import Plan
 
     entry.model.eval()  # batch-norm in eval mode: both runs see the same statistics
     entry.model.zero_grad(set_to_none=True)
@@ -201,9 +201,9 @@ def test_regnet_chain_is_torchvisions_regnet():
 
 
 def test_unet_chain_computes_the_unet_and_the_module_form_is_not_a_chain():
-    from remat.capture import capture
-    from remat.graphs.capture import capture_graph
-    from remat.stages import UnsupportedModelError
+    from remat.capture.chain import capture
+    from remat.capture.graph import capture_graph
+    from remat.capture.stages import UnsupportedModelError
 
     entry = zoo.get("unet", batch_size=2, image_size=16, depth=2, width=4)
     unet = entry.model

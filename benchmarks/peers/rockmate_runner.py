@@ -19,7 +19,7 @@ the stage it happened in)::
      eager_step_times, interleaved, time_ratio, plan_seconds, max_grad_rel_diff, patched,
      error, ...}
 
-``peak_bytes`` is :func:`remat.measure.step_peak_bytes` (allocator events plus the persistent
+``peak_bytes`` is :func:`remat.measure.events.step_peak_bytes` (allocator events plus the persistent
 state at the step's start); the tensors Rockmate keeps in its own storage between steps are
 counted in that persistent state (``retained_bytes``), so nothing it holds is missed.
 """
@@ -628,7 +628,7 @@ def load_workload(
     if zoo is not None and name in HF_DECODERS:
         return _decoder_workload(zoo, name, zoo_options(name, batch, options))
     if zoo is not None and name not in INLINE_MODELS:
-        from remat.capture import _model_arguments  # noqa: PLC0415
+        from remat.capture.chain import _model_arguments  # noqa: PLC0415
 
         chosen = zoo_options(name, batch, options)
         entry = zoo.get(name, **chosen)
@@ -735,7 +735,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        from remat.measure import interleaved_times, step_peak_bytes, unique_storage_bytes
+        from remat.measure.events import interleaved_times, step_peak_bytes, unique_storage_bytes
 
         result["torch"] = torch.__version__
         result["threads"] = torch.get_num_threads()

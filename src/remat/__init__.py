@@ -11,12 +11,12 @@ import sys
 import types
 from typing import Any
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.chain_simulate import Simulation, simulate
+from remat.core.plan import Plan, PlanError, Segment
+from remat.core.units import format_bytes, parse_bytes
 from remat.planners import BudgetTooSmallError, available
 from remat.planning import ParetoPoint, pareto, plan
-from remat.plans import Plan, PlanError, Segment
-from remat.simulate import Simulation, simulate
-from remat.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
@@ -38,18 +38,18 @@ __all__ = [
 
 # torch-side entry points, imported on first use so that `import remat` stays light.
 _LAZY = {
-    "profile": ("remat.profile", "profile"),
-    "capture_chain": ("remat.capture", "capture_chain"),
-    "apply": ("remat.runtime", "apply"),
+    "profile": ("remat.measure.profile", "profile"),
+    "capture_chain": ("remat.capture.chain", "capture_chain"),
+    "apply": ("remat.execute.chain", "apply"),
     "auto": ("remat.auto", "auto"),
-    "capture": ("remat.capture", "capture"),
-    "capture_graph": ("remat.graphs.capture", "capture_graph"),
+    "capture": ("remat.capture.chain", "capture"),
+    "capture_graph": ("remat.capture.graph", "capture_graph"),
     "fit": ("remat.fit", "fit"),
     "zoo": ("remat.zoo", None),
     "distributed": ("remat.distributed", None),
     "levers": ("remat.levers", None),
     "graphs": ("remat.graphs", None),
-    "measure": ("remat.measure", None),
+    "measure": ("remat.measure.events", None),
 }
 
 
@@ -65,12 +65,12 @@ def __getattr__(name: str) -> Any:
 
 class _RematModule(types.ModuleType):
     """``remat``'s module type: entry points named like their own submodule (``remat.profile``
-    the function in ``remat/profile.py``, ``remat.capture``, ``remat.fit``) stay the functions.
+    the function in ``remat/measure/profile.py``, ``remat.capture``, ``remat.fit``) stay the functions.
 
     Python binds a submodule to its parent's attribute whenever the submodule is first imported
-    (``from remat.profile import StepTracker`` anywhere would turn ``remat.profile`` into the
+    (``from remat.measure.profile import StepTracker`` anywhere would turn ``remat.profile`` into the
     module); this refuses exactly those bindings, so ``remat.profile(model, batch)`` works
-    whatever was imported before. Import the submodules by name: ``from remat.profile import
+    whatever was imported before. Import the submodules by name: ``from remat.measure.profile import
     MemoryReport``.
     """
 

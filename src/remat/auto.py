@@ -2,7 +2,7 @@
 
 :func:`auto` captures the model as a chain (measured costs), subtracts what no plan changes
 (parameters, their gradients, buffers, optimizer state, and the model output the training loop
-holds: ``loop="output-held"`` by default, see :mod:`remat.step`) from the budget, plans the
+holds: ``loop="output-held"`` by default, see :mod:`remat.core.step`) from the budget, plans the
 rest with a planner (``optimal-time`` by default), and applies the plan with nested
 non-reentrant checkpointing. The returned module trains like the original, with equal gradients.
 
@@ -16,15 +16,15 @@ Known limitations: the batch shape is part of the plan. The plan is recorded for
 arguments in the planning batch; a training call with other shapes (a last partial batch,
 another sequence length, an added ``attention_mask``) captures the model again on those
 arguments and re-plans it under the same budget and planner (chain and graph paths alike:
-:class:`remat.runtime.SignaturePlans`), or raises
+:class:`remat.execute.chain.SignaturePlans`), or raises
 :class:`~remat.planners.BudgetTooSmallError` naming the minimum for that shape. A re-plan sees
-only the model's arguments, so it measures the loss as :func:`remat.runtime.call_loss` does
+only the model's arguments, so it measures the loss as :func:`remat.execute.chain.call_loss` does
 (the output's ``.loss`` or its sum), not a ``loss_fn`` of the batch. A model that cannot be split into
 stages (branches, skips across blocks) is planned as a module graph instead, with a warning:
 ``checkmate-milp`` under the budget, Re-forwarding without one, run by the graph executor
 (that path counts every parameter gradient for the whole backward, and its plan is made for
 the batch shape it was captured at). With ``stages=`` named, a model that does not split raises
-:class:`remat.stages.UnsupportedModelError` with what to do.
+:class:`remat.capture.stages.UnsupportedModelError` with what to do.
 """
 
 from __future__ import annotations
@@ -38,28 +38,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from remat.calibration import planning_device, time_model_for
-from remat.capture import _model_arguments, capture
-from remat.costs import Chain
-from remat.errors import UnsupportedModelError
+from remat.capture.chain import _model_arguments, capture
+from remat.capture.graph import trace_graph
+from remat.capture.stages.base import grad_parameters
+from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.errors import UnsupportedModelError
+from remat.core.plan import Plan
+from remat.core.step import LOOPS, StepCosts, check_loop, output_held_bytes
+from remat.core.units import format_bytes, parse_bytes, resolve_budget
+from remat.execute.chain import (
+    _describe_signature,
+    apply,
+    call_loss,
+    compile_options,
+    input_signature,
+)
+from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
-from remat.graphs.capture import trace_graph
-from remat.graphs.runtime import apply_graph
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
-from remat.measure import SCRATCH_MIN_BYTES
+from remat.measure.calibration import planning_device, time_model_for
+from remat.measure.events import SCRATCH_MIN_BYTES
+from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
-from remat.plans import Plan
-from remat.profile import default_loss_fn, optimizer_costs
-from remat.runtime import _describe_signature, apply, call_loss, compile_options, input_signature
-from remat.simulate import simulate
-from remat.stages.base import grad_parameters
-from remat.stages.families.blocks import KIND as GENERIC_KIND
-from remat.step import LOOPS, StepCosts, check_loop, output_held_bytes
-from remat.units import format_bytes, parse_bytes, resolve_budget
 
 if TYPE_CHECKING:
-    from remat.capture import Captured
+    from remat.capture.chain import Captured
 
 __all__ = [
     "auto",
@@ -104,13 +110,13 @@ class AutoSummary:
     unplanned_peak_bytes: int = 0
     """The same for the unplanned step."""
     loop: str | None = None
-    """The training loop the prediction assumes (:data:`remat.step.LOOPS`): ``"output-held"``
+    """The training loop the prediction assumes (:data:`remat.core.step.LOOPS`): ``"output-held"``
     or ``"loss-only"``; None where the model output is not modelled."""
     output_held_bytes: int = 0
     """Bytes of the model output the assumed loop keeps through the step (in the peaks)."""
     fake: bool = False
     """True when the costs were captured under fake tensors (``auto(..., fake=True)``: no
-    eager step run, times from the calibrated cost model of :mod:`remat.calibration`)."""
+    eager step run, times from the calibrated cost model of :mod:`remat.measure.calibration`)."""
 
     @classmethod
     def of(
@@ -267,7 +273,7 @@ def plan_for_total_budget(
     slack_bytes: int = 0,
 ) -> Plan:
     """Plan ``chain`` so that the whole training step's peak fits ``budget``: the
-    :class:`~remat.step.StepCosts` of these numbers given to
+    :class:`~remat.core.step.StepCosts` of these numbers given to
     :func:`remat.planning.plan_for_step` (the one budget search; its docstring says which plans
     it weighs and what its :class:`~remat.planners.BudgetTooSmallError` names), with the
     executor's :func:`checkpoint_state_bytes` per checkpointed segment.
@@ -275,12 +281,12 @@ def plan_for_total_budget(
     ``fixed`` is what no plan changes (parameters, their gradients, buffers, optimizer state).
     ``grad_bytes``: the parameter-gradient bytes each stage's backward allocates
     (:func:`stage_grad_bytes`), counted as the backward makes them (during each stage's
-    backward ``grad_rise_bytes`` of them, :attr:`remat.capture.Captured.grad_rise_bytes`);
+    backward ``grad_rise_bytes`` of them, :attr:`remat.capture.chain.Captured.grad_rise_bytes`);
     without them every gradient is counted live all step (the safe reading).
     ``optimizer_step_bytes``: the temporaries of one optimizer step
-    (:func:`remat.profile.optimizer_costs`); ``output_held_bytes``: the model output the
-    training loop keeps (:mod:`remat.step`); ``slack_bytes``:
-    :attr:`remat.step.StepCosts.slack_bytes`. ``budget=None``: the plan with the least
+    (:func:`remat.measure.profile.optimizer_costs`); ``output_held_bytes``: the model output the
+    training loop keeps (:mod:`remat.core.step`); ``slack_bytes``:
+    :attr:`remat.core.step.StepCosts.slack_bytes`. ``budget=None``: the plan with the least
     activation peak whose predicted time is at most the unplanned time plus one forward.
     """
     grads = tuple(grad_bytes) if grad_bytes is not None else (0,) * chain.n
@@ -307,19 +313,19 @@ def total_peak_bytes(
     optimizer_step_bytes: int = 0,
     output_held_bytes: int = 0,
 ) -> int:
-    """The whole step's predicted peak (:func:`remat.step.step_peak` over the chain's simulated
+    """The whole step's predicted peak (:func:`remat.core.step.step_peak` over the chain's simulated
     timeline): ``persistent`` bytes (parameters, buffers, optimizer state) + the model output
-    the loop holds (``output_held_bytes``, :mod:`remat.step`) + the parameter gradients made so
+    the loop holds (``output_held_bytes``, :mod:`remat.core.step`) + the parameter gradients made so
     far + the plan's live activation bytes, maximised over the simulated timeline, +
     ``segment_state_bytes`` per checkpointed segment (default: the CPU RNG state,
     :func:`checkpoint_state_bytes`, that the executor's checkpoints keep to replay dropout;
     counted for every segment at once during the forward and backward, an upper bound of a few
     KiB each). A stage's gradients count from its first backward on: during that backward they
-    add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.capture`: a weight gradient is
+    add ``grad_rise_bytes[i]`` (measured by :func:`remat.capture.chain.capture`: a weight gradient is
     often made after the backward's activation peak), after it all of ``grad_bytes[i]``;
     without ``grad_rise_bytes``, all of it during the backward too. The step ends with the
     optimizer step: every gradient, the batch, the held output and ``optimizer_step_bytes`` of
-    its temporaries (:func:`remat.profile.optimizer_costs`)."""
+    its temporaries (:func:`remat.measure.profile.optimizer_costs`)."""
     costs = StepCosts(
         persistent_bytes=persistent,
         grad_bytes=tuple(grad_bytes),
@@ -358,10 +364,10 @@ def predicted_step_peak_bytes(
     loop: str = "loss-only",
 ) -> int:
     """The whole training step's predicted peak for ``plan`` on a model captured by
-    :func:`remat.capture.capture` (:func:`total_peak_bytes` with the model's fixed bytes and,
+    :func:`remat.capture.chain.capture` (:func:`total_peak_bytes` with the model's fixed bytes and,
     with an optimizer, its step's temporaries; with ``loop="output-held"`` the model output the
-    loop keeps, :data:`remat.step.LOOPS`); compare it with
-    :func:`remat.measure.step_peak_bytes` of the planned step."""
+    loop keeps, :data:`remat.core.step.LOOPS`); compare it with
+    :func:`remat.measure.events.step_peak_bytes` of the planned step."""
 
     grads = stage_grad_bytes(captured.stages)
     persistent = fixed_bytes(model, optimizer) - sum(grads)
@@ -397,7 +403,7 @@ def _criterion_bytes(loss_fn: Any, batch: Any, captured: Any) -> int:
     """What the loop's own criterion may save beside the held output, where remat did not
     capture it (no ``loss_fn``, and no ``labels`` in a dict batch: a Hugging Face model given
     labels computes its own loss, which the capture ran): the largest output tensor's bytes
-    (:func:`remat.step.output_held_bytes`)."""
+    (:func:`remat.core.step.output_held_bytes`)."""
     if loss_fn is not None or (isinstance(batch, Mapping) and batch.get("labels") is not None):
         return 0
     return captured.largest_output_bytes
@@ -515,7 +521,7 @@ def _loss_margin(
     bytes (chain and graph paths).
 
     A re-plan sees only the model's arguments, so it measures the step with
-    :func:`remat.runtime.call_loss` (the output's ``.loss`` or its sum); a ``loss_fn`` such as
+    :func:`remat.execute.chain.call_loss` (the output's ``.loss`` or its sum); a ``loss_fn`` such as
     a cross-entropy on the logits keeps more (its log-softmax and the logits' gradient).
     ``measure()`` gives, at the planning batch, the unplanned step's peak with the user's loss
     minus that with ``call_loss`` (at least 0) and the inputs' bytes it was measured at; it is
@@ -557,7 +563,7 @@ def _for_new_inputs(args: tuple, kwargs: dict) -> Iterator[None]:
 
 
 FLAT_METHOD = "hong-dp"
-"""The planner of ``compile=True`` (flat plans: see :data:`remat.runtime.NESTED_UNDER_COMPILE`)."""
+"""The planner of ``compile=True`` (flat plans: see :data:`remat.execute.chain.NESTED_UNDER_COMPILE`)."""
 
 
 def auto(
@@ -577,7 +583,7 @@ def auto(
     ``budget`` is the total peak of the training step (what the device must hold: parameters,
     gradients, optimizer state and activations), as bytes, a string like ``"4GiB"``, or a
     percentage of the unplanned step's predicted peak such as ``"50%"``
-    (:func:`remat.units.resolve_budget`; ``float("inf")``: no limit, the unplanned peak). remat
+    (:func:`remat.core.units.resolve_budget`; ``float("inf")``: no limit, the unplanned peak). remat
     subtracts what no plan changes and plans the rest. With ``budget=None`` it picks the plan
     with the least memory whose time overhead stays at most one extra forward.
 
@@ -589,7 +595,7 @@ def auto(
     ``method`` is the chain planner: ``"optimal-time"`` by default, ``"hong-dp"`` (flat plans,
     :data:`FLAT_METHOD`) with ``compile``: torch.compile honours no checkpoint nested in another.
 
-    ``loop`` is the training loop the budget must hold for (:data:`remat.step.LOOPS`):
+    ``loop`` is the training loop the budget must hold for (:data:`remat.core.step.LOOPS`):
 
     * ``"output-held"`` (default): the loop keeps the model's output through the backward and
       the optimizer step, as PyTorch's own examples do
@@ -607,7 +613,7 @@ def auto(
     machine can still be planned: the model is captured under ``FakeTensorMode`` (shapes and
     bytes exact, nothing allocated; chain and module-graph paths alike, re-plans for new input
     shapes too), and times come from a cost model of FLOPs, bytes moved and ops calibrated once
-    for the parameters' device and dtype (:mod:`remat.calibration`, cached under
+    for the parameters' device and dtype (:mod:`remat.measure.calibration`, cached under
     ``$REMAT_CACHE_DIR`` or ``~/.cache/remat``). The parameters may be real or on
     ``torch.device("meta")`` (the batch is then read on ``"meta"`` too, and the time model is
     the CUDA device's, else the CPU's): materialise the planned model afterwards
@@ -619,9 +625,9 @@ def auto(
     graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
     a mapping is passed to ``torch.compile`` as keyword arguments. Under inductor (the default
     backend) the plan is made on what the compiled stages save and on their compiled forward
-    and backward times (:func:`remat.capture.capture`'s ``compile``: each stage compiled
+    and backward times (:func:`remat.capture.chain.capture`'s ``compile``: each stage compiled
     once), with the eager transients; under another backend on the eager costs (chain path only: a model planned as a module graph
-    raises :class:`~remat.errors.UnsupportedModelError`).
+    raises :class:`~remat.core.errors.UnsupportedModelError`).
     """
 
     check_loop(loop)
@@ -689,7 +695,7 @@ def auto(
     except BudgetTooSmallError as err:
         if captured.stages.kind != GENERIC_KIND or stages is not None or options is not None:
             raise
-        # the generic stages (remat.stages.families.blocks) are one way to see the model: the
+        # the generic stages (remat.capture.stages.families.blocks) are one way to see the model: the
         # module graph may fit a budget they do not; the error names the lower minimum
         try:
             why = f"its stages around a list of blocks do not fit the budget: {err}"
@@ -806,7 +812,7 @@ def _out_of_memory(err: BaseException) -> bool:
 def _capture_options(model: nn.Module, fake: bool) -> dict[str, Any]:
     """Keyword arguments of the chain and graph captures (and their re-plans): none (real
     tensors, measured times), or fake tensors with the time model calibrated for the model's
-    device and dtype (:func:`remat.calibration.time_model_for`)."""
+    device and dtype (:func:`remat.measure.calibration.time_model_for`)."""
     if not fake:
         return {}
 

@@ -6,7 +6,7 @@ The order that works (``docs/distributed.md``):
 2. plan on rank 0 and broadcast the plan: :func:`auto_distributed` (capture + plan on rank 0,
    :func:`broadcast_plan`, :func:`remat.apply` on every rank), or make a plan yourself and
    call :func:`broadcast_plan` then :func:`remat.apply`;
-3. wrap the :class:`~remat.runtime.PlannedModule`: ``DistributedDataParallel(planned)``, or
+3. wrap the :class:`~remat.execute.chain.PlannedModule`: ``DistributedDataParallel(planned)``, or
    for FSDP2 :func:`fully_shard_planned` (``fully_shard`` on each block stage, then the root);
 4. build the optimizer on the wrapped model's parameters.
 
@@ -43,20 +43,20 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
-from remat.capture import _model_arguments, capture
-from remat.costs import Chain
+from remat.capture.chain import _model_arguments, capture
+from remat.capture.stages import split_stages
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.plan import Plan, PlanError
+from remat.core.units import format_bytes
+from remat.execute.chain import PlannedModule, apply
 from remat.guards import ORDER_HELP, WrapOrderError, check_not_wrapped
-from remat.plans import Plan, PlanError
-from remat.profile import default_loss_fn, optimizer_costs
-from remat.runtime import PlannedModule, apply
-from remat.simulate import simulate
-from remat.stages import split_stages
-from remat.units import format_bytes
+from remat.measure.profile import default_loss_fn, optimizer_costs
 
 if TYPE_CHECKING:
     from remat.auto import AutoSummary
-    from remat.runtime import PlannedModule
-    from remat.stages import Stages
+    from remat.capture.stages import Stages
+    from remat.execute.chain import PlannedModule
 
 __all__ = [
     "WrapOrderError",
@@ -427,7 +427,7 @@ def auto_distributed(
 
     Returns ``(planned, summary)`` with the same plan and summary on every rank. The plan is
     for this batch shape: another shape raises
-    :class:`~remat.runtime.SignatureMismatchError` (replanning inside a wrapped forward would
+    :class:`~remat.execute.chain.SignatureMismatchError` (replanning inside a wrapped forward would
     not be a collective); call :func:`auto_distributed` again on the bare ``planned.model``.
     """
     _require_initialized("auto_distributed")

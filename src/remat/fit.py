@@ -35,12 +35,12 @@ How a combination is predicted (NOTE [ What fit predicts ]):
   them (:func:`remat.auto.total_peak_bytes`); from the second microbatch on (and in a step
   without an optimizer, where gradients persist) all of them are live. The optimizer step's own
   transients (Adam's ``sqrt``/division temporaries, measured on fake tensors with the
-  ``foreach`` choice the real optimizer makes, :func:`remat.profile.optimizer_costs`) bound it
+  ``foreach`` choice the real optimizer makes, :func:`remat.measure.profile.optimizer_costs`) bound it
   too;
 * predicted time = simulated plan time (forward, recomputation, backward) times k.
 
 The chosen setup is then **measured** (``measure=True``): one whole :meth:`FitSetup.step` under
-:func:`remat.measure.step_peak_bytes` (the allocator's own events, so workspace that is not a
+:func:`remat.measure.events.step_peak_bytes` (the allocator's own events, so workspace that is not a
 tensor counts too), after one warm-up step, on a snapshot of the model and optimizer that is
 restored afterwards. If the measured peak exceeds the budget, the search runs again with the
 missed bytes reserved (up to three times), so the returned setup's measured peak fits.
@@ -81,28 +81,28 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.auto import stage_grad_bytes
-from remat.capture import _model_arguments, capture
-from remat.costs import Chain
+from remat.capture.chain import _model_arguments, capture
+from remat.capture.stages import split_stages
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.plan import Plan
+from remat.core.step import StepCosts
+from remat.core.units import format_bytes, format_time, resolve_budget
+from remat.execute.chain import PlannedModule, apply
 from remat.guards import check_not_wrapped
 from remat.levers import Precision, compress_saved_activations, magnitude_prune, make_grad_scaler
 from remat.levers.microbatch import MicroBatcher, batch_size, split_batch
 from remat.levers.sparsity import predicted_sparse_bytes
-from remat.measure import (
+from remat.measure.events import (
     cuda_step_peak_bytes,
     interleaved_times,
     median_ratio,
     step_peak_bytes,
     unique_storage_bytes,
 )
+from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import least_step_plan, plan_for_step, step_peak_of
-from remat.plans import Plan
-from remat.profile import default_loss_fn, optimizer_costs
-from remat.runtime import PlannedModule, apply
-from remat.simulate import simulate
-from remat.stages import split_stages
-from remat.step import StepCosts
-from remat.units import format_bytes, format_time, resolve_budget
 
 __all__ = [
     "fit",
@@ -197,7 +197,7 @@ class FitSetup:
     """
 
     model: nn.Module
-    """The planned module (:class:`remat.runtime.PlannedModule`; shares the model's
+    """The planned module (:class:`remat.execute.chain.PlannedModule`; shares the model's
     parameters). Call :meth:`step` to train it within the budget."""
     plan: Plan
     """The remat plan, made for the microbatch shape."""
@@ -462,8 +462,8 @@ def fit(
         batch: one training batch (its size is the step's batch size).
         budget: bytes, a string like ``"512MiB"``, or a percentage of the unplanned step's
             predicted peak (fp32, one microbatch, no plan) such as ``"50%"``
-            (:func:`remat.units.resolve_budget`; ``float("inf")``: that peak itself).
-        loss_fn: ``loss_fn(model, batch) -> scalar``; default :func:`remat.profile.default_loss_fn`.
+            (:func:`remat.core.units.resolve_budget`; ``float("inf")``: that peak itself).
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default :func:`remat.measure.profile.default_loss_fn`.
         optimizer: the optimizer the steps will use: its state and its step's temporaries are
             part of the budget. Without it the steps keep gradients and nothing else.
         precisions: precision names to search (:data:`PRECISIONS`), in order of preference.
@@ -720,7 +720,7 @@ class _Search:
 
     def _costs(self, k: int) -> StepCosts:
         """What the step holds beside the activations with ``k`` microbatches
-        (:class:`remat.step.StepCosts`): the state and the batch beyond the microbatch, the
+        (:class:`remat.core.step.StepCosts`): the state and the batch beyond the microbatch, the
         gradients, as the backward makes them, or all live from the start from the second
         microbatch on and in a step without an optimizer (NOTE [ Gradients that accumulate ]),
         the optimizer step, and the RNG states each checkpoint keeps. :meth:`FitSetup.step`

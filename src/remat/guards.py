@@ -4,7 +4,7 @@
   parallelism (DDP, DataParallel, FSDP1, FSDP2): :class:`WrapOrderError` names the order that
   works (:data:`ORDER_HELP`, ``docs/distributed.md``).
 * :func:`check_no_own_checkpointing`: a model with Hugging Face's own gradient checkpointing
-  enabled is refused (:class:`~remat.errors.UnsupportedModelError`).
+  enabled is refused (:class:`~remat.core.errors.UnsupportedModelError`).
 * :class:`BatchCopy`: the private copy of the caller's batch that every measurement runs the
   model on (a model may write into its input; the caller's batch stays as it was).
 * :class:`InPlaceInputError` (:func:`in_place_input_error`): a stage that writes into its input
@@ -13,7 +13,7 @@
 They live here, below the stage splitter, the executors, :func:`remat.auto`, :func:`remat.fit`
 and :mod:`remat.distributed`, so that all of them can call them without importing each other.
 Also importable from their former homes (``remat.distributed.check_not_wrapped``,
-``remat.stages.check_no_own_checkpointing``).
+``remat.capture.stages.check_no_own_checkpointing``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from remat.errors import UnsupportedModelError
+from remat.core.errors import UnsupportedModelError
 
 __all__ = [
     "BatchCopy",
@@ -75,7 +75,7 @@ def check_no_own_checkpointing(model: nn.Module) -> None:
     ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()`` sets).
 
     Called by every entry point that plans or runs a model (chain capture and
-    :func:`~remat.stages.split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph
+    :func:`~remat.capture.stages.split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph
     path's ``trace_graph`` and ``apply_graph``): its checkpoints would run inside remat's plan,
     so the memory and time remat predicts would not be what runs.
     """

@@ -1,7 +1,7 @@
 """The planning layer (pure Python, no torch): :func:`plan`, :func:`pareto`, :func:`compare`
 for an activation budget, and :func:`plan_for_step`, **the** search for a plan whose whole
 training step fits a budget (chain or module graph), with :func:`step_peak_of` (the whole-step
-model of :mod:`remat.step` over a plan's simulated timeline). :func:`remat.auto`,
+model of :mod:`remat.core.step` over a plan's simulated timeline). :func:`remat.auto`,
 :func:`remat.fit`, :func:`remat.distributed.auto_distributed` and the benchmarks all plan a
 whole step through :func:`plan_for_step`; ``remat.api`` re-exports this module's first half.
 """
@@ -13,11 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from remat.costs import Chain
-from remat.graphs.graph import Graph
-from remat.graphs.plan import GraphPlan
-from remat.graphs.planners import plan_graph
-from remat.graphs.simulate import graph_step_peak, simulate_graph
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.graph import Graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan, Segment
+from remat.core.simulate import graph_step_peak, simulate_graph
+from remat.core.step import StepCosts, StepEvent, segment_state_bytes, step_peak
+from remat.core.units import format_bytes, parse_bytes
 from remat.planners import (
     BudgetTooSmallError,
     available,
@@ -27,10 +30,7 @@ from remat.planners import (
     stamp,
     sweep,
 )
-from remat.plans import Plan, Segment
-from remat.simulate import simulate
-from remat.step import StepCosts, StepEvent, segment_state_bytes, step_peak
-from remat.units import format_bytes, parse_bytes
+from remat.planners.graph import plan_graph
 
 __all__ = [
     "plan",
@@ -77,7 +77,7 @@ def plan(
 
     ``activation_budget`` is the peak activation memory that :func:`remat.simulate` predicts
     (bytes, a string such as ``"512MiB"``, or a percentage of the unplanned activation peak such
-    as ``"50%"``: :func:`remat.units.resolve_budget`), not the whole training step (that is
+    as ``"50%"``: :func:`remat.core.units.resolve_budget`), not the whole training step (that is
     ``budget=`` of :func:`remat.auto` and :func:`remat.fit`); ``None`` lets the planner pick its
     default. ``budget=`` is its deprecated alias (a DeprecationWarning). The returned plan
     carries its simulated peak and time and the chain's fingerprint. Raises
@@ -220,7 +220,7 @@ AnyPlan = Plan | GraphPlan
 
 
 def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
-    """The simulated timeline of ``plan`` as :class:`remat.step.StepEvent` (0-based stages)."""
+    """The simulated timeline of ``plan`` as :class:`remat.core.step.StepEvent` (0-based stages)."""
     return [
         StepEvent(e.op == "B", e.stage - 1, e.peak_bytes, e.live_bytes)
         for e in simulate(chain, plan).timeline
@@ -228,10 +228,10 @@ def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
 
 
 def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
-    """The whole training step's peak of ``plan`` (:func:`remat.step.step_peak` over its
+    """The whole training step's peak of ``plan`` (:func:`remat.core.step.step_peak` over its
     simulated timeline on a chain or a module graph), with ``costs.checkpoint_state_bytes``
     for every checkpointed segment: on a chain from the top-level segment's forward to its
-    backward (:func:`remat.step.segment_state_bytes`; its nested segments counted with it, an
+    backward (:func:`remat.core.step.segment_state_bytes`; its nested segments counted with it, an
     upper bound: a nested one only exists while its parent recomputes)."""
     if isinstance(structure, Graph):
         return graph_step_peak(structure, plan, costs)  # type: ignore[arg-type]
@@ -262,7 +262,7 @@ def plan_for_step(
     ``checkmate-milp`` for a graph). The plans weighed:
 
     1. the planner's plan for the activation budget left beside what the step always holds
-       (``budget`` minus :attr:`~remat.step.StepCosts.held_bytes`, minus every gradient when
+       (``budget`` minus :attr:`~remat.core.step.StepCosts.held_bytes`, minus every gradient when
        they are all live): when its step fits it is the answer (no fitting plan keeps more
        activations);
     2. its plan for the safe reading (every gradient counted live at the activation peak);

@@ -1,13 +1,13 @@
 """Presentation of measurements: text tables and PNG plots (matplotlib, imported lazily).
 
-* :func:`format_memory_report`: a :class:`~remat.profile.MemoryReport` as a breakdown table
-  (defined in :mod:`remat.profile` next to :meth:`~remat.profile.MemoryReport.table`, which
+* :func:`format_memory_report`: a :class:`~remat.measure.profile.MemoryReport` as a breakdown table
+  (defined in :mod:`remat.profile` next to :meth:`~remat.measure.profile.MemoryReport.table`, which
   uses it: the measuring layer does not import this one);
 * :func:`format_module_peaks`: the modules with the highest peaks;
-* :func:`format_chain`: a captured :class:`~remat.costs.Chain`, one row per stage;
+* :func:`format_chain`: a captured :class:`~remat.core.chain.Chain`, one row per stage;
 * :func:`plot_profile`: breakdown bar + memory timeline, written as a PNG.
 
-Nothing here measures or plans; units come from :mod:`remat.units`.
+Nothing here measures or plans; units come from :mod:`remat.core.units`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from remat.profile import CATEGORIES, MemoryReport, format_memory_report
-from remat.units import format_bytes, format_time
+from remat.core.units import format_bytes, format_time
+from remat.measure.profile import CATEGORIES, MemoryReport, format_memory_report
 
 if TYPE_CHECKING:
-    from remat.costs import Chain
+    from remat.core.chain import Chain
 
 __all__ = ["format_memory_report", "format_module_peaks", "format_chain", "plot_profile"]
 

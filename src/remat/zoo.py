@@ -45,7 +45,7 @@ Names:
   level), ``image_size`` (64, a multiple of ``2 ** depth``), ``in_channels`` (3),
   ``num_classes`` (2), ``form``: ``"module"`` (default: :class:`UNet`, whose ``forward`` keeps
   the skips in a list: **not a chain**, :func:`remat.capture` raises ``UnsupportedModelError``;
-  :func:`remat.graphs.capture.capture_graph` captures it as a graph) or ``"chain"``
+  :func:`remat.capture.graph.capture_graph` captures it as a graph) or ``"chain"``
   (:func:`unet_chain`: the same modules and function as an ``nn.Sequential`` of stages whose
   activation is the tuple ``(x, skip_1, ..., skip_k)``: the skips ride along the chain).
 * ``mlp-mixer``: an MLP-Mixer (Tolstikhin et al. 2021) as ``nn.Sequential(patch embedding,
@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.profile import default_loss_fn
+from remat.measure.profile import default_loss_fn
 
 __all__ = [
     "ZooModel",
@@ -104,7 +104,7 @@ class ZooModel:
     batch: Any
     """An example batch: a tensor, a tuple of tensors, or a dict of tensors (seeded)."""
     loss_fn: LossFn
-    """``loss_fn(model, batch) -> scalar loss`` (see :func:`remat.profile.default_loss_fn`)."""
+    """``loss_fn(model, batch) -> scalar loss`` (see :func:`remat.measure.profile.default_loss_fn`)."""
     description: str
     """One line: what the model is and the batch shape."""
 

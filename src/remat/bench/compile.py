@@ -12,7 +12,7 @@ interleaved with it, gradients compared with eager's):
   peak of the compile points, plus budgets below the least of them (fractions of it and
   remat's own least feasible budget, ``least``);
 * ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M: a flat
-  plan (``hong-dp``) on the chain captured **compiled** (``remat.capture.capture(compile=)``:
+  plan (``hong-dp``) on the chain captured **compiled** (``remat.capture.chain.capture(compile=)``:
   each stage compiled once, its saved bytes and forward/backward times measured compiled;
   captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
   compile=...)`` (:func:`compiled_remat_setup`, the one place that builds it). Budgets: the
@@ -48,9 +48,9 @@ from remat.bench.suites import (
     load_workload,
     measure_setup,
 )
-from remat.capture import capture
+from remat.capture.chain import capture
+from remat.core.units import format_bytes
 from remat.planners import BudgetTooSmallError
-from remat.units import format_bytes
 
 __all__ = [
     "DEFAULT_MODELS",

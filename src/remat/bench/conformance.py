@@ -16,7 +16,7 @@ The budget lies between the least total peak ``auto`` can plan for (the minimum 
 ``BudgetTooSmallError`` names) and the eager step's measured peak. A case passes when the
 planned model's gradients equal eager's (same weights, dropout off, ``torch.allclose``), its
 buffers (batch-norm running statistics) are updated as eager updates them, and its measured
-whole-step peak (:func:`remat.measure.step_peak_bytes`, allocator events, SGD with momentum)
+whole-step peak (:func:`remat.measure.events.step_peak_bytes`, allocator events, SGD with momentum)
 is within the budget. Each record names the path ``auto`` took (a chain of N stages or a graph
 of N nodes), the memory ratio (measured peak / eager measured peak) and, when timed, the time
 ratio. Beside each model, :func:`every_block_peak` measures what checkpointing every block
@@ -44,11 +44,11 @@ from torch import nn
 
 import remat
 from remat.bench.suites import machine_info
-from remat.costs import Chain
-from remat.measure import interleaved_times, median_ratio, step_peak_bytes
+from remat.capture.stages import UnsupportedModelError
+from remat.core.chain import Chain
+from remat.core.units import format_bytes
+from remat.measure.events import interleaved_times, median_ratio, step_peak_bytes
 from remat.planners import BudgetTooSmallError
-from remat.stages import UnsupportedModelError
-from remat.units import format_bytes
 
 __all__ = [
     "LOOPS",

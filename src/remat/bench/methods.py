@@ -30,8 +30,8 @@ from torch import nn
 
 from remat.api import plan as make_plan
 from remat.auto import plan_for_total_budget, total_peak_bytes
+from remat.execute.chain import apply
 from remat.planners import BudgetTooSmallError
-from remat.runtime import apply
 
 __all__ = ["Workload", "Setup", "peer_methods", "remat_setup", "compile_setup"]
 
@@ -51,7 +51,7 @@ class Workload:
     chain: Any = None
     """The captured :class:`remat.Chain` (None when the model cannot be split)."""
     stages: Any = None
-    """The :class:`remat.stages.Stages` the chain was captured on."""
+    """The :class:`remat.capture.stages.Stages` the chain was captured on."""
     fixed_bytes: int = 0
     """Parameters + gradients + buffers + Adam state."""
     grad_bytes: list[int] = field(default_factory=list)
@@ -59,7 +59,7 @@ class Workload:
     grad_rise_bytes: tuple[int, ...] = ()
     """How much each stage's gradients raise its backward's peak (capture's measurement)."""
     optimizer_step_bytes: int = 0
-    """Temporaries of one ``Adam.step()`` (:func:`remat.profile.optimizer_costs`)."""
+    """Temporaries of one ``Adam.step()`` (:func:`remat.measure.profile.optimizer_costs`)."""
 
 
 @dataclass

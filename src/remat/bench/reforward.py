@@ -9,7 +9,7 @@ gradient checkpoints, and the time per iteration (GPU, PyTorch 0.4/1.x).
 What this suite does, per model (:data:`DEFAULT_MODELS`, the paper's order and sizes):
 
 1. **Table** (``part == "table"``): the model is captured at the paper's batch and input size
-   under fake tensors (:func:`remat.graphs.capture.trace_levels`, module level, nothing
+   under fake tensors (:func:`remat.capture.graph.trace_levels`, module level, nothing
    allocated, FLOPs as times) and planned with ``none``; ``reforward`` (Feng & Huang's division
    tree); ``chen-sqrt`` (Chen's sqrt(n) on the articulation chain); ``checkmate-milp`` and
    ``optimal-time`` (``articulation`` with the heterogeneous-chain DP) at the ``reforward``
@@ -21,9 +21,9 @@ What this suite does, per model (:data:`DEFAULT_MODELS`, the paper's order and s
    regular step's). The loss is ``output.sum()``, as in the paper's benchmark.
 2. **Measured** (``part == "measured"``): for the models in :data:`MEASURED` the *same plans*
    (node for node) are applied to the eager model at a batch that fits this CPU
-   (:func:`remat.graphs.runtime.apply_graph`); the step time is a ratio to the unplanned step,
-   interleaved with it, median of 5 (:func:`remat.measure.interleaved_times`), and the exact
-   activation peak (:func:`remat.profile.profile`) sits beside the simulated one.
+   (:func:`remat.execute.graph.apply_graph`); the step time is a ratio to the unplanned step,
+   interleaved with it, median of 5 (:func:`remat.measure.events.interleaved_times`), and the exact
+   activation peak (:func:`remat.measure.profile.profile`) sits beside the simulated one.
 3. **Speed** (``part == "speed"``, not in ``--quick``): ``reforward`` and ``articulation`` on
    DenseNet-201 at op level (target < 10 s), ``checkmate-milp`` on ResNet-50 at module level
    at the ``reforward`` memory (target < 60 s).
@@ -61,15 +61,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from remat.graphs.capture import trace_levels
-from remat.graphs.graph import Graph
-from remat.graphs.milp import backward_floor
-from remat.graphs.plan import GraphPlan
-from remat.graphs.planners import plan_graph
-from remat.graphs.runtime import apply_graph
-from remat.graphs.simulate import simulate_graph
-from remat.measure import interleaved_times, median_ratio
-from remat.profile import profile
+from remat.capture.graph import trace_levels
+from remat.core.graph import Graph
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_graph
+from remat.execute.graph import apply_graph
+from remat.measure.events import interleaved_times, median_ratio
+from remat.measure.profile import profile
+from remat.planners.checkmate_milp import backward_floor
+from remat.planners.graph import plan_graph
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -536,7 +536,7 @@ def _verdict(m: dict[str, dict]) -> str:
                 f"no plan at this granularity goes below {floor:.2f} "
                 f"({_mib(ref['floor_bytes'])} MiB: at the backward of `{ref['floor_node']}` its "
                 "saved tensors, the inputs it saved, its output gradient and the input gradient "
-                "it makes are live at once; `remat.graphs.milp.backward_floor`)"
+                "it makes are live at once; `remat.planners.checkmate_milp.backward_floor`)"
                 + (", and the MILP's least peak is that bound" if abs(floor - least) < 5e-4 else "")
             )
         if ref["batch"] == ref["paper_batch"]:
@@ -700,7 +700,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         "eager model at a batch that fits this machine with `apply_graph`. Time: step time / "
         "unplanned step time, the two interleaved, median of "
         f"{measured[0]['repeats'] if measured else 5} steps each "
-        "(`remat.measure.interleaved_times`); memory: exact activation peak "
+        "(`remat.measure.events.interleaved_times`); memory: exact activation peak "
         "(`remat.profile`), simulated beside it. `best@paper`: the faster of the two `@paper` "
         "plans.",
         "",
@@ -796,7 +796,7 @@ def _discussion(by_model: dict[str, dict[str, dict]], measured: list[dict]) -> s
         "module or functional call, in-place ReLUs merged into the op before them (as the "
         "paper's PyTorch 0.4 code merges them; op level merges them too). The least peak of "
         "any plan is bounded by the costliest single backward "
-        "(`remat.graphs.milp.backward_floor`): for AlexNet and VGG-11 the first convolution + "
+        "(`remat.planners.checkmate_milp.backward_floor`): for AlexNet and VGG-11 the first convolution + "
         "ReLU at full resolution with ReLU's output, the gradient in and the gradient out live "
         "(plus the 588 MiB input at AlexNet's batch 1024), for VGG-13/16 the second one with "
         "its input too. On those four rows the MILP's least peak equals that bound, so the "

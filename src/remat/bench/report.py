@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from remat.units import format_bytes
+from remat.core.units import format_bytes
 
 __all__ = ["write_markdown", "write_plots", "markdown_table"]
 

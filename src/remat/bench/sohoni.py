@@ -76,7 +76,10 @@ from torch import nn
 
 from remat import zoo
 from remat.api import plan as make_plan
-from remat.capture import capture
+from remat.capture.chain import capture
+from remat.core.chain_simulate import simulate
+from remat.core.units import format_bytes
+from remat.execute.chain import apply
 from remat.levers import (
     Precision,
     batch_size,
@@ -86,13 +89,10 @@ from remat.levers import (
     sparse_storage_bytes,
     split_batch,
 )
-from remat.measure import unique_storage_bytes
+from remat.measure.events import unique_storage_bytes
+from remat.measure.profile import profile
 from remat.planners import BudgetTooSmallError
 from remat.planners.optimal_time import min_feasible_peak
-from remat.profile import profile
-from remat.runtime import apply
-from remat.simulate import simulate
-from remat.units import format_bytes
 
 __all__ = [
     "DEFAULT_MODELS",

@@ -3,7 +3,7 @@
 A step is forward, loss, backward, ``Adam.step()``, ``zero_grad(set_to_none=True)``, after one
 warm-up step so the optimizer state exists (shared/peers.md). For every method:
 
-* ``peak_bytes``: exact, :func:`remat.measure.step_peak_bytes` (allocator events, persistent
+* ``peak_bytes``: exact, :func:`remat.measure.events.step_peak_bytes` (allocator events, persistent
   state included; sees compiled code), or ``torch.cuda.max_memory_allocated`` on a GPU;
 * ``time_ratio``: median step time / median eager step time, the two interleaved A B A B in
   the same run (at least 5 steps each);
@@ -33,12 +33,12 @@ from remat.api import plan as make_plan
 from remat.auto import fixed_bytes, stage_grad_bytes
 from remat.bench.methods import Setup, Workload, compile_setup, peer_methods, remat_setup
 from remat.bench.report import write_markdown, write_plots
-from remat.capture import capture, capture_chain
-from remat.measure import cuda_step_peak_bytes, interleaved_times, step_peak_bytes
+from remat.capture.chain import capture, capture_chain
+from remat.core.chain_simulate import simulate
+from remat.measure.events import cuda_step_peak_bytes, interleaved_times, step_peak_bytes
+from remat.measure.profile import optimizer_costs
 from remat.planners import available
 from remat.planners.optimal_time import min_feasible_peak
-from remat.profile import optimizer_costs
-from remat.simulate import simulate
 
 __all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "machine_info"]
 

@@ -16,7 +16,7 @@
 
 Example:
     >>> from remat.graphs import plan_graph, simulate_graph
-    >>> from remat.graphs.synthetic import residual_chain
+    >>> from remat.core.synthetic import residual_chain
     >>> g = residual_chain(3)
     >>> p = plan_graph(g, "reforward")
     >>> simulate_graph(g, p).peak_bytes == p.predicted_peak_bytes
@@ -25,17 +25,9 @@ Example:
 
 from __future__ import annotations
 
-from remat.graphs.graph import GRAPH_SCHEMA_VERSION, Graph, Node
-from remat.graphs.plan import GRAPH_PLAN_SCHEMA_VERSION, GraphPlan, GraphPlanError, GraphSegment
-from remat.graphs.planners import (
-    available_graph_planners,
-    get_graph_planner,
-    least_graph_peak,
-    plan_graph,
-    register_graph_planner,
-    sweep_graph,
-)
-from remat.graphs.simulate import (
+from remat.core.graph import GRAPH_SCHEMA_VERSION, Graph, Node
+from remat.core.graph_plan import GRAPH_PLAN_SCHEMA_VERSION, GraphPlan, GraphPlanError, GraphSegment
+from remat.core.simulate import (
     GraphEvent,
     GraphSimulation,
     InfeasibleScheduleError,
@@ -45,6 +37,14 @@ from remat.graphs.simulate import (
     run_schedule,
     simulate_graph,
     simulate_step_peak,
+)
+from remat.planners.graph import (
+    available_graph_planners,
+    get_graph_planner,
+    least_graph_peak,
+    plan_graph,
+    register_graph_planner,
+    sweep_graph,
 )
 
 __all__ = [

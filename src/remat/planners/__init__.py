@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from remat.costs import Chain
-from remat.plans import Plan
-from remat.simulate import simulate
-from remat.units import format_bytes, resolve_budget
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.plan import Plan
+from remat.core.units import format_bytes, resolve_budget
 
 __all__ = [
     "register",

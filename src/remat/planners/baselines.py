@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.plan import Plan
 from remat.planners import register
-from remat.plans import Plan
 
 __all__ = ["plan_none", "plan_every_stage"]
 

@@ -70,10 +70,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.chain_simulate import simulate
+from remat.core.plan import Plan, Segment
 from remat.planners import BudgetTooSmallError, register
-from remat.plans import Plan, Segment
-from remat.simulate import simulate
 
 __all__ = ["plan_chen_sqrt", "plan_chen_budget", "plan_chen_recursive", "greedy_checkpoints"]
 

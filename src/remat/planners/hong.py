@@ -113,9 +113,9 @@ from typing import Protocol
 
 import numpy as np
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.plan import Plan
 from remat.planners import BudgetTooSmallError, register
-from remat.plans import Plan
 
 __all__ = [
     "plan_hong_dp",

@@ -4,7 +4,7 @@ Paper: O. Beaumont, L. Eyraud-Dubois, J. Herrmann, A. Joly, A. Shilova, "Optimal
 for heterogeneous chains: how to train deep neural networks with limited memory" (2019), the
 dynamic program behind ``rotor`` (github.com/topal-team/rotor, ``algorithms/persistent.py``).
 
-**Guarantee.** Among *all* nested segment trees (:class:`~remat.plans.Plan`) whose peak, as
+**Guarantee.** Among *all* nested segment trees (:class:`~remat.core.plan.Plan`) whose peak, as
 :func:`remat.simulate` computes it, is at most the budget, the returned plan has the least total
 time (forward + recomputation + backward). The recurrence is derived from simulate's rules, not
 from the paper's memory model, so the peak it predicts for a plan is the simulated peak exactly
@@ -69,9 +69,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.plan import Plan, Segment
 from remat.planners import BudgetTooSmallError, register
-from remat.plans import Plan, Segment
 
 __all__ = [
     "plan_optimal_time",

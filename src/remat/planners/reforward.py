@@ -65,7 +65,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from remat.costs import Chain
+from remat.core.chain import Chain
+from remat.core.plan import Plan
 from remat.planners import register
 from remat.planners.hong import (
     UNREACHED,
@@ -75,7 +76,6 @@ from remat.planners.hong import (
     least_peak_plan,
     segment_starts,
 )
-from remat.plans import Plan
 
 __all__ = ["plan_reforward"]
 

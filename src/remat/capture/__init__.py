@@ -1,0 +1,1 @@
+"""Torch side: turning a model and a batch into a costed chain or graph."""

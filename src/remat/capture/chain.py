@@ -1,0 +1,763 @@
+"""A model as a costed :class:`~remat.core.chain.Chain`: :func:`capture_chain` and :func:`capture`.
+
+The model is cut into stages by :func:`remat.capture.stages.split_stages`; then the stages run one by
+one on the real activations (each stage's input is the previous stage's output, detached, with
+``requires_grad`` as it had in the model), and each stage is measured alone:
+
+* ``out_bytes``: bytes of the output's storages that are new (not the input's: a tensor that
+  passes through a stage unchanged, such as an attention mask, is counted where it is made);
+* ``saved_bytes``: bytes of the **unique** storages that autograd saves for backward during the
+  stage's forward (``torch.autograd.graph.saved_tensors_hooks``), each storage once, not counting
+  parameters and buffers, nor the input ``a[i-1]`` (nor the batch), **plus** the output's bytes
+  when the output storage is not among them (docs/cost-model.md's convention);
+* ``fwd_overhead_bytes``: the highest activation-side bytes during the forward (from
+  :class:`remat.measure.profile.StepTracker`) minus the input and ``saved_bytes``: transient memory
+  beyond what the stage keeps;
+* ``bwd_overhead_bytes``: the highest activation-side bytes during the backward minus what
+  was live before it, minus the output's gradient ``δ[i]`` (ones, made inside the backward
+  and freed when consumed, as in a whole step) and minus the input gradient ``δ[i-1]``
+  (``out_bytes[i-1]``): the simulator counts both gradients itself; and minus the output's
+  bytes when the stage's own backward does not keep its output (a linear layer, GELU, a
+  residual add): the simulator holds ``a[i]`` until ``B_i``, but in a whole step it is freed
+  before (by the next stage's backward). Negative when autograd frees saved tensors and
+  ``δ[i]`` before the peak (docs/cost-model.md);
+* on real tensors the forward and backward also run under the allocator's own count
+  (:class:`remat.measure.events.AllocatorWindow`), which sees the scratch memory kernels allocate
+  inside themselves (oneDNN convolutions, batch norms, LSTMs on the CPU); what it saw above
+  MemTracker's peak is added to the overheads. The next stage gets a copy of the output, so
+  that a saved output is freed partway through the stage's backward, as in a whole step;
+* ``fwd_time``, ``bwd_time``: median of ``repeats`` runs (``time.perf_counter``, CUDA
+  synchronised); with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``
+  instead (``time_unit="flop"``), or, given a ``time_model``
+  (:class:`remat.measure.calibration.TimeModel`), the seconds it predicts from each op's FLOPs, bytes
+  moved and count (``time_unit="s"``, nothing run for real);
+* ``input_bytes``: the batch and ``a[0]`` (unique storages).
+
+**The loss is folded into the last stage.** Stage ``n`` is measured as "last stage module, the
+model's own output step (``Stages.finish``: e.g. a Hugging Face model's loss from ``labels``),
+then ``loss_fn``": its output is the scalar loss (``out_bytes[n]`` = 4 bytes for float32, the
+``δ[n]`` that :func:`remat.simulate` allocates at the loss) and what the loss saves (the
+log-softmax of a cross-entropy: as large as the logits) is in its ``saved_bytes``; the
+gradients the loss's backward makes are in its ``bwd_overhead_bytes``. So
+``simulate(chain, Plan.none()).peak_bytes`` predicts the activation peak of a whole step, and
+:func:`remat.auto.predicted_step_peak_bytes` the whole step's peak, which tests/test_capture.py
+checks within 1 % of :func:`remat.measure.events.step_peak_bytes` on an MLP, ResNet-18, VGG-11, GPT-2
+and an LSTM (measured: exact to a few bytes).
+
+Measuring changes nothing: parameter gradients, buffers (batch-norm statistics) and the RNG
+state are restored afterwards, and the stages run on a copy of the batch
+(:class:`remat.measure.profile.BatchCopy`), so a model that writes into its input leaves the caller's
+batch as it was; each stage's inputs that need no gradient get their values back before each
+timed run, so each stage sees what one forward of the stages before it left.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    >>> chain = capture_chain(model, torch.randn(8, 16), fake=True)
+    >>> chain.n, chain.time_unit
+    (3, 'flop')
+
+Known limitations: a plan that checkpoints the last stage cannot drop what the loss saves
+(the executor runs the loss outside the stages), so such a plan may use up to the loss's
+saved bytes more than predicted; under fake tensors user-named stages are not checked against
+the model (the check compares values); a loss function that calls the model more than once is
+refused (``ValueError``: the chain is one forward), and so is a stage that writes into its input
+in place (:class:`remat.execute.chain.InPlaceInputError`: a checkpointed segment starting at it could
+not be recomputed); fake tensors allocate nothing, so a ``fake=True`` capture has no kernel scratch
+memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they matter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from remat.capture.stages import Stages, split_stages
+from remat.core.chain import Chain
+from remat.guards import BatchCopy, _versions, in_place_input_error
+from remat.measure.calibration import TimeModel, WorkCounter
+from remat.measure.events import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
+from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+
+__all__ = ["capture_chain", "capture", "Captured", "StageCost", "measure_stage"]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What :func:`capture` returns: the costs and the stages they were measured on."""
+
+    chain: Chain
+    """Per-stage costs (the loss folded into the last stage)."""
+    stages: Stages
+    """The model's stages (real modules, for :func:`remat.execute.chain.apply`)."""
+    grad_rise_bytes: tuple[int, ...] = ()
+    """Per stage, how much the parameter gradients its backward makes raise that backward's
+    peak (0 when they appear after it, at most their size when they are all live at it). The
+    whole-step prediction (:func:`remat.auto.total_peak_bytes`) uses it; empty when unknown."""
+    output_bytes: int = 0
+    """Unique bytes of what the model returns (``Stages.finish``: e.g. the logits, and a Hugging
+    Face model's loss), parameters, buffers and the batch excluded: what a training loop that
+    holds the output keeps through the step (:class:`remat.core.step.StepCosts`)."""
+    largest_output_bytes: int = 0
+    """Bytes of the largest tensor of that output (the logits): what a criterion the loop
+    applies to it may save for its backward (:func:`remat.core.step.output_held_bytes`)."""
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage measured alone (see the module docstring)."""
+
+    out_bytes: int
+    """New bytes of the stage's output."""
+    saved_bytes: int
+    """Unique bytes saved for backward (no parameters, no input), output included."""
+    fwd_overhead_bytes: int
+    """Transient bytes of the forward beyond the input and ``saved_bytes``."""
+    bwd_peak_bytes: int
+    """Highest activation-side bytes of the backward minus what was live before it and minus
+    the output's gradient ``δ[i]`` (which the simulator counts as live already); negative when
+    the backward frees more before its peak than it allocates."""
+    unsaved_out_bytes: int
+    """Bytes of the new output that the stage's own backward does not keep (a linear layer's
+    or GELU's output): in a whole step they are freed before this backward runs."""
+    grad_rise_bytes: int
+    """How much the parameter gradients the backward makes raise its peak."""
+    fwd_time: float
+    """Forward seconds (median) or FLOPs."""
+    bwd_time: float
+    """Backward seconds (median) or FLOPs."""
+
+
+def capture_chain(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    stages: Sequence[str] | None = None,
+    fake: bool = False,
+    repeats: int = 3,
+    progress: bool = False,
+    time_model: TimeModel | None = None,
+) -> Chain:
+    """Measure ``model`` on ``batch`` as a :class:`~remat.core.chain.Chain` (module docstring)."""
+    return capture(model, batch, loss_fn, stages, fake, repeats, progress, time_model).chain
+
+
+def capture(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    stages: Sequence[str] | None = None,
+    fake: bool = False,
+    repeats: int = 3,
+    progress: bool = False,
+    time_model: TimeModel | None = None,
+    *,
+    compile: Mapping[str, Any] | None = None,
+) -> Captured:
+    """Like :func:`capture_chain`, also returning the :class:`~remat.capture.stages.Stages` (for the
+    executor). ``stages`` names the boundaries for models that are not cut automatically.
+    ``progress`` shows a tqdm bar over the stages. ``time_model`` (with ``fake=True`` only)
+    gives the stages' times in seconds from the work counted under fake tensors.
+
+    ``compile`` (``torch.compile`` keyword arguments; real tensors only): the plan will run
+    compiled (``remat.apply(..., compile=...)``), so each stage is also compiled alone (once)
+    and timed compiled after warm-up: its forward and backward times are the compiled ones,
+    and, for each stage but the last (which holds the loss), its ``saved_bytes`` is what the
+    compiled stage saves (the partitioner recomputes some pointwise ops instead of saving
+    them: a GPT-2 block saves about half of eager's); the transients (overheads) stay the
+    eager measurements."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if time_model is not None and not fake:
+        raise ValueError("time_model is for fake=True captures: a real capture times the stages")
+    if fake and compile is not None:
+        raise ValueError("compile= needs a real capture (fake=False): it runs the stages")
+    loss_fn = loss_fn or default_loss_fn
+    split = split_stages(model, stages)
+    with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure.events
+        return _capture(model, batch, loss_fn, split, fake, repeats, progress, time_model, compile)
+
+
+def _capture(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    split: Stages,
+    fake: bool,
+    repeats: int,
+    progress: bool,
+    time_model: TimeModel | None = None,
+    compile: Mapping[str, Any] | None = None,
+) -> Captured:
+    if fake:
+        with fake_step(model, batch) as (mode, fake_batch, _), mode:
+            chain, rises, output = _measure_chain(
+                model, split, fake_batch, loss_fn, True, repeats, progress, time_model
+            )
+    else:
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        grads = {p: p.grad for p in model.parameters()}
+        devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+        private = BatchCopy(batch)  # the model may write into its input: never the caller's
+        try:
+            with torch.random.fork_rng(devices=devices):
+                chain, rises, output = _measure_chain(
+                    model, split, private.batch, loss_fn, False, repeats, progress
+                )
+                if compile is not None:
+                    compiled = _compiled_costs(
+                        model, split, private.batch, loss_fn, compile, repeats
+                    )
+                    chain = _with_compiled_costs(chain, compiled)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            for p, g in grads.items():
+                p.grad = g
+    return Captured(chain, split, rises, *output)
+
+
+# ---------------------------------------------------------------------- implementation
+@dataclass(frozen=True)
+class CompiledStage:
+    """What one stage costs compiled alone (:func:`_compiled_costs`)."""
+
+    saved_bytes: int | None
+    """Bytes it saves for backward (None: the eager count is kept, the last stage)."""
+    fwd_time: float
+    """Median forward seconds after warm-up."""
+    bwd_time: float
+    """Median backward seconds after warm-up."""
+
+
+def _compiled_costs(
+    model: nn.Module,
+    split: Stages,
+    batch: Any,
+    loss_fn: LossFn,
+    options: Mapping[str, Any],
+    repeats: int,
+) -> list[CompiledStage]:
+    """Per stage, what it saves for backward and its forward and backward times when compiled
+    alone (``torch.compile`` with ``options``, static shapes; each stage compiled once).
+
+    Saved bytes are counted as :func:`measure_stage` counts ``saved_bytes`` (unique storages,
+    no parameters, buffers, batch or input; the output included), on the first (compiling)
+    forward; None for the last stage (its loss runs outside the stages). The first backward
+    compiles the backward; one more untimed step warms up, then ``repeats`` forward/backward
+    pairs are timed (median). The last stage is its module compiled, with ``finish`` and the
+    loss eager as in the planned step. The caller restores buffers, gradients and the RNG."""
+    args, kwargs = _model_arguments(model, loss_fn, batch)
+    x = split.prepare(*args, **kwargs)
+    skip = _keys([*model.parameters(), *model.buffers()])
+    skip.update(_keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(x)]))
+    params = list(model.parameters())
+    device = next((t.device for t in params), None)
+    result: list[CompiledStage] = []
+    n = split.n
+    for i, module in enumerate(split.modules):
+        last = i == n - 1
+        compiled = torch.compile(module, **{"dynamic": False, **options})
+        run: Callable[[Any], Any] = compiled
+        if last:
+            run = _last_stage_runner(model, split, compiled, loss_fn, batch)
+        x = tree_map_only(torch.Tensor, _fresh_leaf, x)
+        x_tensors = _tensors(x)
+        restore = BatchCopy([t for t in x_tensors if not t.requires_grad], snapshot=True)
+        inputs = _keys(x_tensors)
+        saved: dict[int, int] = {}
+
+        def pack(
+            t: torch.Tensor, inputs: dict[int, int] = inputs, saved: dict[int, int] = saved
+        ) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key not in skip and key not in inputs:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            out = run(x)  # compiles the forward (and, lazily, the backward at its first call)
+        new = {k: v for k, v in _keys(_tensors(out)).items() if k not in skip and k not in inputs}
+        stage_saved = None if last else sum({**saved, **new}.values())
+        nxt = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), out)
+        fwd_times: list[float] = []
+        bwd_times: list[float] = []
+        for k in range(repeats + 2):  # the first backward compiles; one more run warms up
+            if k > 0:
+                restore.restore()
+                _sync(device)
+                start = time.perf_counter()
+                out = run(x)
+                _sync(device)
+                fwd = time.perf_counter() - start
+            seed, _ = _seed(_tensors(out))
+            _sync(device)
+            start = time.perf_counter()
+            if seed is not None:
+                seed.backward()
+            _sync(device)
+            if k > 1:
+                fwd_times.append(fwd)
+                bwd_times.append(time.perf_counter() - start)
+            del out, seed
+            for t in [*params, *x_tensors]:
+                t.grad = None
+        result.append(
+            CompiledStage(stage_saved, statistics.median(fwd_times), statistics.median(bwd_times))
+        )
+        x = nxt
+    return result
+
+
+def _last_stage_runner(
+    model: nn.Module, split: Stages, module: Callable[[Any], Any], loss_fn: LossFn, batch: Any
+) -> Callable[[Any], Any]:
+    """The last stage as :func:`_measure_chain` runs it (``finish`` and the loss after it),
+    with ``module`` in place of the stage's module."""
+
+    def run(inp: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            return split.finish(module(inp), *a, **k)
+
+        return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
+
+    return run
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+def _with_compiled_costs(chain: Chain, costs: Sequence[CompiledStage]) -> Chain:
+    """``chain`` with the stages' times replaced by the compiled ones and ``saved_bytes`` where
+    given (at least the output's bytes); each backward overhead stays relative to what the
+    stage saves, within its floor."""
+    new_saved = [
+        chain.saved_bytes[i] if c.saved_bytes is None else max(c.saved_bytes, chain.out_bytes[i])
+        for i, c in enumerate(costs)
+    ]
+    overhead = [
+        max(-(s + out), b)
+        for s, out, b in zip(new_saved, chain.out_bytes, chain.bwd_overhead_bytes, strict=True)
+    ]
+    return dataclasses.replace(
+        chain,
+        saved_bytes=new_saved,
+        bwd_overhead_bytes=overhead,
+        fwd_time=[c.fwd_time for c in costs],
+        bwd_time=[c.bwd_time for c in costs],
+    )
+
+
+class _Stop(Exception):
+    """Raised by the recording proxy once it has seen the model's arguments."""
+
+
+class _ModelProxy:
+    """Stands in for the model inside ``loss_fn``: calling it runs ``call``; attributes come
+    from the model."""
+
+    def __init__(self, model: nn.Module, call: Callable[..., Any]) -> None:
+        self._model = model
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _model_arguments(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, dict]:
+    """What ``loss_fn`` calls the model with."""
+    seen: list[tuple[tuple, dict]] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        raise _Stop
+
+    try:
+        loss_fn(_ModelProxy(model, record), batch)  # type: ignore[arg-type]
+    except _Stop:
+        pass
+    if not seen:
+        raise ValueError("loss_fn(model, batch) never called the model: remat cannot capture it")
+    return seen[0]
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _writes_input(run: Callable[[Any], Any], inp: Any) -> bool:
+    """Whether ``run`` writes into its input in place (tried on a copy without grad, where
+    writing into a leaf is allowed; buffers and RNG are restored by the caller)."""
+    probe = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), inp)
+    versions = _versions(_tensors(probe))
+    try:
+        with torch.no_grad():
+            run(probe)
+    except Exception:  # noqa: BLE001 - the caller re-raises the original error
+        return False
+    return _versions(_tensors(probe)) != versions
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Storage identity -> bytes, each storage once."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        out[st._cdata] = st.nbytes()
+    return out
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure_chain(
+    model: nn.Module,
+    split: Stages,
+    batch: Any,
+    loss_fn: LossFn,
+    fake: bool,
+    repeats: int,
+    progress: bool,
+    time_model: TimeModel | None = None,
+) -> tuple[Chain, tuple[int, ...], int]:
+    from tqdm.auto import tqdm
+
+    args, kwargs = _model_arguments(model, loss_fn, batch)
+    if split.check is not None and not fake:
+        split.check(*args, **kwargs)  # compares values: not possible on fake tensors
+    a0 = split.prepare(*args, **kwargs)
+    fixed = _keys([*model.parameters(), *model.buffers()])
+    outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
+    input_bytes = sum(outside.values())
+    skip = fixed | outside
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    costs: list[StageCost] = []
+    outs: list[int] = []
+    held: list[tuple[int, int]] = []  # the model's output (what finish returns): all, largest
+    x = a0
+    n = split.n
+    made: list[dict[int, int]] = []  # per stage, the storages its output has that are new
+    passed: list[set[int]] = []  # per stage, every storage of its output
+    bar = tqdm(total=n, desc="measuring stages", unit="stage", disable=not progress, leave=False)
+    try:
+        for i, module in enumerate(split.modules):
+            last = i == n - 1
+            if last:
+
+                def run(inp: Any, module: nn.Module = module) -> Any:
+                    calls = []
+
+                    def call(*a: Any, **k: Any) -> Any:
+                        calls.append(None)
+                        if len(calls) > 1:  # the chain is one forward of the model
+                            raise ValueError(ONE_MODEL_CALL)
+                        out = split.finish(module(inp), *a, **k)
+                        if not held:
+                            new = _keys(output_tensors(out))
+                            kept = [v for key, v in new.items() if key not in skip]
+                            held.append((sum(kept), max(kept, default=0)))
+                        return out
+
+                    return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
+            else:
+                run = module
+            versions = _versions(_tensors(x))
+            try:
+                cost, out = measure_stage(
+                    run,
+                    x,
+                    exclude=fixed | outside,
+                    fake=fake,
+                    repeats=repeats,
+                    params=params,
+                    track=module,
+                    time_model=time_model,
+                )
+            except RuntimeError as err:  # a leaf that requires grad written in place: whose?
+                if "in-place" in str(err) and _writes_input(run, x):
+                    raise in_place_input_error(i + 1, split.names[i]) from err
+                raise
+            if _versions(_tensors(x)) != versions:
+                raise in_place_input_error(i + 1, split.names[i])
+            costs.append(cost)
+            outs.append(cost.out_bytes)
+            before = _keys(_tensors(x))
+            after = _keys(_tensors(out))
+            made.append({s: b for s, b in after.items() if s not in skip and s not in before})
+            passed.append(set(after))
+            x = out
+            bar.update(1)
+    finally:
+        bar.close()
+        for p in params:
+            p.grad = None
+    # NOTE [ Carried tensors ]: a tensor a stage makes that every later stage passes on
+    # unchanged (an attention mask, position embeddings: the extra arguments of every block)
+    # lives to the end of the forward whatever the plan, even where the activation it was
+    # made in is dropped: counted with the input, not in that stage's output
+    carried = [0] * n
+    saved_bytes = [c.saved_bytes for c in costs]
+    for j in range(n - 2):  # passed on by stages j+2 .. n-1, to the last
+        for key, nbytes in made[j].items():
+            if all(key in later for later in passed[j + 1 : n - 1]):
+                outs[j] -= nbytes
+                saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
+                carried[j] += nbytes
+    input_bytes += sum(carried)
+    bwd_overhead = []
+    for i, cost in enumerate(costs):
+        grad_in = outs[i - 1] if i > 0 else 0
+        # The simulator holds a[i] until B_i; in a whole step an output the stage's backward
+        # does not need is gone by then (the next stage's backward, or the end of the
+        # checkpointed segment that took it as input, released it). The last stage's output
+        # is the loss.
+        gone = max(0, cost.unsaved_out_bytes - carried[i]) if i < len(costs) - 1 else 0
+        # may be negative: the backward frees saved tensors and δ[i] before its peak (Chain)
+        floor = -(cost.saved_bytes + cost.out_bytes)
+        bwd_overhead.append(max(floor, cost.bwd_peak_bytes - grad_in - gone))
+    chain = Chain(
+        fwd_time=[c.fwd_time for c in costs],
+        bwd_time=[c.bwd_time for c in costs],
+        out_bytes=outs,
+        saved_bytes=saved_bytes,
+        input_bytes=input_bytes,
+        fwd_overhead_bytes=[c.fwd_overhead_bytes for c in costs],
+        bwd_overhead_bytes=bwd_overhead,
+        names=split.names,
+        time_unit="flop" if fake and time_model is None else "s",
+        stages_fingerprint=split.fingerprint,
+    )
+    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0)
+
+
+def measure_stage(
+    run: Callable[[Any], Any],
+    inp: Any,
+    exclude: dict[int, int] | None = None,
+    fake: bool = False,
+    repeats: int = 3,
+    params: Sequence[torch.Tensor] = (),
+    track: nn.Module | None = None,
+    time_model: TimeModel | None = None,
+) -> tuple[StageCost, Any]:
+    """Measure ``run(x)`` on a detached copy ``x`` of ``inp``; return its cost and its output
+    (detached, ``requires_grad`` kept) for the next stage.
+
+    ``exclude`` maps storages not to count as saved (parameters, buffers, the batch);
+    ``params`` get their gradients reset to ``None`` after each backward. Under fake tensors
+    the times are FLOPs, or the seconds ``time_model`` predicts.
+
+    A stage may write into its input in place (``x.add_(1)``, as a block may in a model): it
+    gets ``x`` through an identity autograd function, not the leaf itself, and the inputs that
+    need no gradient (the batch, masks: the same tensors as the next stages') get their values
+    back before each timed run, so that after this stage they hold what one run left in them.
+    """
+    x = tree_map_only(torch.Tensor, _fresh_leaf, inp)
+    x_tensors = _tensors(x)
+    # values of the inputs that need no gradient, for the timed runs (not under fake tensors)
+    inputs = BatchCopy([] if fake else [t for t in x_tensors if not t.requires_grad], snapshot=True)
+    skip = dict(exclude or {})
+    skip.update(_keys(x_tensors))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in skip:
+            saved[key] = st.nbytes()
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def reset() -> None:
+        for p in params:
+            p.grad = None
+        for t in x_tensors:
+            t.grad = None
+
+    # memory (and, under fake tensors, FLOPs): one run under the tracker, and on real tensors
+    # under the allocator's own count too (it also sees kernels' internal scratch memory)
+    device = next((t.device for t in x_tensors), None)
+    fwd_counter, bwd_counter = _work_counters(fake, time_model)
+    fwd_alloc, bwd_alloc = _allocator_windows(fake, device)
+    tracker = StepTracker(timeline=False)
+    tracker.track_external(*([track] if track is not None else []), *x_tensors)
+    with tracker:
+        tracker.start()
+        base = tracker.activation_bytes()
+        tracker.set_phase("forward")
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), fwd_counter, fwd_alloc:
+            out = run(_entered(x))
+        fwd_tracked = tracker.window_peak - base
+        fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
+        out_tensors = _tensors(out)
+        new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
+        kept = {**saved, **new_out}
+        saved_bytes = sum(kept.values())
+        seed, grad_bytes = _seed(out_tensors)
+        # the next stage gets a copy: the output itself must be free to go when autograd
+        # releases it (a saved output is freed partway through the backward, as in a step)
+        next_input = tree_map_only(torch.Tensor, _fresh_copy, out)
+        del out, out_tensors
+        tracker.reset_window()
+        start_bwd = tracker.activation_bytes()
+        tracker.set_phase("backward")
+        with bwd_counter, bwd_alloc:
+            if seed is not None:
+                seed.backward()
+        # scratch memory only the allocator saw (it counts parameter gradients too)
+        scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
+        bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
+        # parameter gradients start at None (reset), so the two windows share their base
+        grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
+        del seed
+    reset()
+
+    # time: FLOPs or modelled seconds under fake tensors, else the median of `repeats` runs
+    if fake:
+        fwd_time = fwd_counter.cost()
+        bwd_time = bwd_counter.cost()
+    else:
+        fwd_times, bwd_times = [], []
+        for _ in range(repeats):
+            inputs.restore()
+            entered = _entered(x)
+            _sync(device)
+            start = time.perf_counter()
+            out = run(entered)
+            _sync(device)
+            fwd_times.append(time.perf_counter() - start)
+            seed, _ = _seed(_tensors(out))
+            _sync(device)
+            start = time.perf_counter()
+            if seed is not None:
+                seed.backward()
+            _sync(device)
+            bwd_times.append(time.perf_counter() - start)
+            del out, seed, entered
+            reset()
+        fwd_time = statistics.median(fwd_times)
+        bwd_time = statistics.median(bwd_times)
+    cost = StageCost(
+        out_bytes=sum(new_out.values()),
+        saved_bytes=saved_bytes,
+        fwd_overhead_bytes=max(0, fwd_peak - saved_bytes),
+        bwd_peak_bytes=bwd_peak,
+        unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
+        grad_rise_bytes=grad_rise,
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+    )
+    return cost, next_input
+
+
+def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that requires grad becomes a new leaf on the same storage (so the stage's
+    backward stops there); any other tensor passes as the same object, as in the model (an
+    attention mask keeps its identity, and with it whatever is cached on it)."""
+    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        return t.detach().requires_grad_(True)
+    return t
+
+
+def _entered(x: Any) -> Any:
+    """``x`` with each leaf that requires grad passed through :class:`_Enter`."""
+    return tree_map_only(
+        torch.Tensor, lambda t: _Enter.apply(t) if t.requires_grad and t.is_leaf else t, x
+    )
+
+
+class _Enter(torch.autograd.Function):
+    """Identity on the same storage whose output is not a leaf, so that the stage may write
+    into it in place (autograd refuses that on a leaf that requires grad); the gradient passes
+    through to the leaf unchanged (no memory)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """Like :func:`_fresh_leaf`, on a new storage for a tensor that requires grad."""
+    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        return t.detach().clone().requires_grad_(True)
+    return t
+
+
+def _work_counters(fake: bool, time_model: TimeModel | None) -> tuple[Any, Any]:
+    """Two :class:`remat.measure.calibration.WorkCounter` (forward, backward) under fake tensors,
+    else two no-op contexts."""
+    if not fake:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return WorkCounter(time_model), WorkCounter(time_model)
+
+
+def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, Any]:
+    """Two :class:`remat.measure.events.AllocatorWindow` (forward, backward) on real tensors, else two
+    no-op contexts (fake tensors allocate nothing)."""
+    if fake:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    if torch.autograd.profiler._is_profiler_enabled and (device is None or device.type == "cpu"):
+        warnings.warn(
+            "remat.capture runs inside a torch.profiler session: it cannot count the scratch "
+            "memory of oneDNN kernels (convolutions, batch norms, LSTMs) and may under-predict "
+            "such models; capture outside the profiler",
+            stacklevel=4,
+        )
+
+    return AllocatorWindow(device), AllocatorWindow(device)
+
+
+def _peak(window: Any) -> int:
+    """The allocator window's peak, 0 for a no-op context or an unsupported device."""
+    return getattr(window, "peak_bytes", None) or 0
+
+
+def _seed(outputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+    """A scalar whose backward gives every output that requires grad a gradient of ones, and
+    the bytes of those gradients.
+
+    The gradients are made inside the backward and owned by the autograd engine alone, so they
+    are freed as soon as they are consumed, as ``δ[i]`` is in a whole step (a gradient passed
+    to ``torch.autograd.backward`` stays referenced by the caller until it returns).
+    """
+    roots = [t for t in outputs if t.requires_grad]
+    if not roots:
+        return None, 0
+    grad_bytes = sum(t.numel() * t.element_size() for t in roots)
+    return _SeedGradients.apply(*roots), grad_bytes
+
+
+class _SeedGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:
+        ctx.specs = [(o.shape, o.dtype, o.device) for o in outputs]
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=dev) for shape, dtype, dev in ctx.specs)

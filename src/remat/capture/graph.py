@@ -1,0 +1,1223 @@
+"""A model as a costed :class:`~remat.core.graph.Graph`: :func:`capture_graph`.
+
+One training step (``loss_fn(model, batch)`` then ``backward``) runs under a recorder that sees
+every call the Python program makes into torch: a ``TorchFunctionMode`` intercepts
+``F.conv2d``, ``torch.cat``, ``Tensor.add_``, ``F.scaled_dot_product_attention``, ... (the ops
+of ``torch.export``'s training IR, recorded in eager mode in a fraction of a second instead of
+the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls are grouped into
+**nodes** whose vertices are tensors, as in Feng & Huang's computation graphs
+(``shared/papers/notes.md`` §4.2):
+
+* **views and in-place ops join the node that made the storage they alias** (``x.view``,
+  ``relu_`` after a batch norm, ResNet's ``out += identity``): a node is a storage, its value is
+  final when its last call ends. An in-place op on a storage that another node has already
+  read starts a new node (the old value was consumed; Known limitations).
+* ``level="op"``: every remaining call is a node. ``level="module"``: all the calls made inside
+  one call of a leaf module (a module without children) are one node named by its FQN
+  (``layer1.0.conv1``); calls made in a container's own ``forward`` (ResNet's add, DenseNet's
+  ``cat``, GPT-2's attention arithmetic) are nodes of their own named ``scope/op``.
+* a node whose output no backward saves and that feeds exactly one other node is **merged into
+  that node** (e.g. GPT-2's dropout before the residual add, ResNet's downsample batch norm
+  before ``+=``): the simulator keeps a stored node's output until its backward, so a node whose
+  output autograd does not keep would be over-counted. After merging every node's output is
+  saved by some backward except the sinks and outputs read by several nodes.
+* calls whose outputs need no gradient (masks, position ids, integer arithmetic) are not nodes;
+  the storages they make that a backward saves are counted in ``Graph.input_bytes`` with the
+  batch. Nodes from which the loss cannot be reached are dropped.
+
+Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
+
+* ``out_bytes``: the node's storages that other nodes read (the sink: its last output);
+* ``saved_bytes``: ``out_bytes`` plus the **residual**: every other storage that autograd saves
+  for the node's own backward (``torch.autograd.graph.saved_tensors_hooks``, unique storages:
+  batch-norm statistics, dropout masks, attention log-sum-exp, the log-softmax of a loss);
+  parameters, buffers, the batch and the outputs of other nodes are excluded;
+* ``saved_inputs``: the inputs whose storages the node's backward saves;
+* ``fwd_time`` / ``bwd_time``: seconds (median of ``repeats`` timed steps; the backward of a
+  node is the time of the autograd functions its calls created, seen through ``grad_fn`` hooks),
+  or with ``fake=True`` the FLOPs of ``torch.utils.flop_counter.FlopCounterMode``, or, given a
+  ``time_model`` (:class:`remat.measure.calibration.TimeModel`), the seconds it predicts from each
+  ATen op's FLOPs, bytes moved and count;
+* ``fwd_overhead_bytes`` / ``bwd_overhead_bytes``: the highest transient bytes inside one of the
+  node's calls / autograd functions beyond what is live when it returns (MemTracker).
+
+The loss (``loss_fn``, default :func:`remat.measure.profile.default_loss_fn`) is part of the graph: its
+calls are nodes (scope ``<loss>``), the loss scalar is the sink. ``fake=True`` runs everything
+under ``FakeTensorMode`` (paper-size models in seconds, nothing allocated; bytes equal the real
+run's). Capturing changes nothing: parameter gradients, buffers and the RNG state are restored,
+and the step runs on a copy of the batch (:class:`remat.measure.profile.BatchCopy`), so a model that
+writes into its input leaves the caller's batch as it was.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    >>> graph = capture_graph(model, torch.randn(4, 8), level="module", fake=True)
+    >>> [node.name for node in graph.nodes]   # Linear 0 merged into the ReLU that reads it
+    ['1', '2', '<loss>/sum']
+    >>> graph.nodes[0].saved_bytes               # the ReLU's output, which its backward saves
+    128
+
+Known limitations:
+    * Nodes are torch-level calls, not the ATen ops below them: a ``CompositeImplicit`` function
+      such as ``F.linear`` or ``F.cross_entropy`` is one node (its internal intermediates are its
+      residual or its overhead). Checkpoint regions can only open and close between such calls
+      (autograd saves tensors above the dispatcher), so this is the finest level an eager
+      executor can carry out exactly (``docs/graph-executor.md``).
+    * An in-place op on a storage that another node already read becomes a node whose output
+      aliases its input's storage: both count the bytes (an over-estimate, never seen in the
+      torchvision and Hugging Face models tested).
+    * An output read by several nodes and saved by none keeps ``out_bytes`` in ``saved_bytes``
+      (over-estimate); :attr:`GraphTrace.output_saved` says which.
+    * Data-dependent Python control flow is recorded for the batch given (like any trace); a
+      ``loss_fn`` that calls the model several times is refused (``ValueError``).
+    * Calls inside a ``torch.func`` transform (``torch.vmap``: Hugging Face builds its eager
+      attention masks so) are not recorded: their tensors are wrappers without storage, and
+      the transform's result enters the graph where a call reads it. A transform over tensors
+      that need a gradient, or one that runs a module, is refused (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.core.graph import Graph, Node
+from remat.guards import BatchCopy, check_no_own_checkpointing
+from remat.measure.calibration import TimeModel, WorkCounter
+from remat.measure.events import garbage_collected, output_tensors, scratch_bytes
+from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+
+__all__ = [
+    "LEVELS",
+    "LOSS_SCOPE",
+    "capture_graph",
+    "trace_graph",
+    "trace_levels",
+    "GraphTrace",
+    "CallInfo",
+    "is_tensor_call",
+    "in_transform",
+]
+
+LEVELS = ("module", "op")
+"""The node granularities :func:`capture_graph` offers."""
+
+LOSS_SCOPE = "<loss>"
+"""Scope of the calls made outside the model's forward (the loss)."""
+
+ROOT_SCOPE = "<model>"
+"""Scope of the calls made in the root module's own ``forward``."""
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """One intercepted torch call of the traced step (what the executor replays)."""
+
+    index: int
+    """Position in the sequence of intercepted calls."""
+    func: Callable[..., Any]
+    """The function called (compared by identity when the executor runs the model)."""
+    op: str
+    """Its name (``conv2d``, ``add_``, ...)."""
+    scope: str
+    """FQN of the innermost module running (``<model>`` for the root, ``<loss>`` outside)."""
+    inside: bool
+    """True when made inside the model's forward (False: in ``loss_fn`` around it)."""
+    node: int | None
+    """The graph node the call belongs to, or ``None`` (sizes, masks, buffer updates)."""
+    view: bool
+    """True for a view or alias of an existing storage (no data read or written)."""
+    random: bool
+    """True when an ATen op with the ``nondeterministic_seeded`` tag ran inside it."""
+    mutated: tuple[int, ...]
+    """Positions (in the flattened tensor arguments) of the tensors it modified in place."""
+
+
+@dataclass(frozen=True)
+class GraphTrace:
+    """:func:`trace_graph`'s result: the graph and how the traced calls map onto it."""
+
+    graph: Graph
+    """The costed graph."""
+    level: str
+    """``"module"`` or ``"op"``."""
+    calls: tuple[CallInfo, ...]
+    """Every intercepted call in order (only those inside the model, ``inside=True``, are run
+    by the planned module)."""
+    node_calls: tuple[tuple[int, ...], ...]
+    """Per node, the indices of its calls."""
+    output_saved: tuple[bool, ...]
+    """Per node, True when some backward saves its output (False for the sinks and for
+    outputs read by several nodes that no backward keeps)."""
+    node_inside: tuple[bool, ...]
+    """Per node, True when its calls run inside the model's forward (False: loss nodes)."""
+    saves_own_output: tuple[bool, ...]
+    """Per node, True when the node's own backward saves its output (a ReLU, a softmax); when
+    False only its consumers' backwards keep it (a convolution's output, saved by the next
+    batch norm), so it dies with their saves, before the node's own backward."""
+    batch_bytes: int
+    """Unique bytes of the batch's tensors (part of ``graph.input_bytes``)."""
+    saved_constant_bytes: int
+    """Bytes of saved storages made by calls that need no gradient (part of
+    ``graph.input_bytes``)."""
+    real_saved_bytes: int = field(default=0)
+    """Unique bytes autograd saved during the traced forward (parameters and batch excluded),
+    counted directly from the hooks: ``sum(saved_bytes) - unsaved outputs`` equals it."""
+    param_grad_bytes: tuple[int, ...] = field(default=())
+    """Per node, the bytes of the parameter gradients that first appear at its backward
+    (a parameter's gradient is made by the backward of the last node that reads it, and lives
+    to the end of the step): :func:`remat.core.simulate.simulate_step_peak` adds them to
+    predict the whole step's peak."""
+    output_bytes: int = field(default=0)
+    """Unique bytes of what the model's forward returned (parameters, buffers and the batch
+    excluded): what a training loop that holds the output keeps through the step
+    (:class:`remat.core.step.StepCosts`)."""
+    largest_output_bytes: int = field(default=0)
+    """Bytes of the largest tensor of that output (what a criterion on it may save)."""
+
+
+def capture_graph(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    level: str = "module",
+    fake: bool = False,
+    repeats: int = 1,
+    *,
+    time_model: TimeModel | None = None,
+) -> Graph:
+    """Capture ``model`` on ``batch`` as a costed :class:`Graph` (see the module docstring).
+
+    ``level`` is ``"module"`` (leaf modules and the functional calls between them) or ``"op"``
+    (every torch call); ``fake=True`` measures under fake tensors with FLOPs as times, or the
+    seconds ``time_model`` predicts; ``repeats`` timed steps give the median times (real
+    tensors only).
+    """
+    return trace_graph(model, batch, loss_fn, level, fake, repeats, time_model=time_model).graph
+
+
+def trace_graph(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    level: str = "module",
+    fake: bool = False,
+    repeats: int = 1,
+    costs: bool = True,
+    *,
+    time_model: TimeModel | None = None,
+) -> GraphTrace:
+    """Like :func:`capture_graph`, also returning how the traced calls map onto the nodes.
+
+    ``costs=False`` skips the backward, the memory tracker and the timing (the executor only
+    needs the structure; node bytes are still exact, times are zero).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    traces = trace_levels(
+        model, batch, loss_fn, (level,), fake, repeats, costs, time_model=time_model
+    )
+    return traces[level]
+
+
+def trace_levels(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    levels: tuple[str, ...] = LEVELS,
+    fake: bool = False,
+    repeats: int = 1,
+    costs: bool = True,
+    *,
+    time_model: TimeModel | None = None,
+) -> dict[str, GraphTrace]:
+    """One recorded step grouped at several ``levels`` (the recording does not depend on the
+    level; grouping is cheap). ``time_model`` (``fake=True`` only): node times in seconds
+    from the work counted under fake tensors."""
+    if time_model is not None and not fake:
+        raise ValueError("time_model is for fake=True captures: a real capture times the nodes")
+    for level in levels:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    check_no_own_checkpointing(model)
+    loss_fn = loss_fn or default_loss_fn
+    if fake:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
+        try:
+            with fake_step(model, batch) as (mode, fake_batch, _), mode:
+                state = _record(model, fake_batch, loss_fn, costs, True, time_model)
+                unit = "flop" if time_model is None else "s"
+                return {level: _build(state, level, unit) for level in levels}
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
+            raise ValueError(
+                "the model reads tensor values in Python (e.g. a Hugging Face BERT checks the "
+                "input ids for padding), which fake tensors cannot answer: capture it with "
+                "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
+            ) from err
+    private = BatchCopy(batch)  # the model may write into its input: never the caller's
+    with _preserved(model), garbage_collected():  # NOTE [ Collect before measuring ]
+        state = _record(model, private.batch, loss_fn, costs, flops=False)
+        if costs:
+            _time_calls(model, private, loss_fn, state, repeats)
+    return {level: _build(state, level, "s") for level in levels}
+
+
+# ---------------------------------------------------------------------- recording
+@dataclass
+class _Rec:
+    """A call as recorded (mutable while tracing)."""
+
+    index: int
+    func: Callable[..., Any]
+    op: str
+    scope: str
+    group: tuple[Any, ...]
+    inside: bool
+    in_keys: list[int] = field(default_factory=list)
+    out_keys: list[int] = field(default_factory=list)
+    new: list[bool] = field(default_factory=list)
+    mutated: tuple[int, ...] = ()
+    requires_grad: bool = False
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    random: bool = False
+    fwd_cost: float = 0.0
+    bwd_cost: float = 0.0
+    mem: tuple[int, int] = (-1, -1)  # tracker samples before and after the call
+    span: int = -1  # the allocator range of the call (real tensors), see _Allocator
+    times: list[float] = field(default_factory=list)
+    bwd_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _State:
+    """Everything one recorded step produced."""
+
+    root: nn.Module
+    names: dict[int, str]
+    calls: list[_Rec] = field(default_factory=list)
+    current: _Rec | None = None
+    stack: list[tuple[nn.Module, int]] = field(default_factory=list)
+    serial: int = 0
+    inside: int = 0
+    entered: int = 0
+    known: dict[int, int] = field(default_factory=dict)
+    fixed: set[int] = field(default_factory=set)
+    params: dict[int, int] = field(default_factory=dict)  # storage -> gradient bytes
+    batch_keys: dict[int, int] = field(default_factory=dict)
+    serials: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    next_key: int = 0
+    backward: list[tuple[int, int, int, int]] = field(default_factory=list)  # call, pre, post, span
+    memory: _Memory | None = None
+    allocator: _Allocator | None = None
+    grad_fns: dict[Any, int] = field(default_factory=dict)
+    loss_key: int = -1
+    real_saved: dict[int, int] = field(default_factory=dict)
+    stray_saves: int = 0
+    dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
+    output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
+    largest_output_bytes: int = 0  # its largest tensor (what a criterion on it may save)
+    batch_ids: set[int] = field(default_factory=set)
+
+    def scope(self) -> str:
+        if not self.inside:
+            return LOSS_SCOPE
+        for module, _ in reversed(self.stack):
+            name = self.names.get(id(module))
+            if name is not None:
+                return name or ROOT_SCOPE
+        return ROOT_SCOPE
+
+    def group(self, index: int) -> tuple[Any, ...]:
+        if self.inside and self.stack:
+            module, serial = self.stack[-1]
+            if module is not self.root and not any(True for _ in module.children()):
+                return ("leaf", serial)
+        return ("call", index)
+
+
+def _key(st: _State, t: torch.Tensor) -> int:
+    """A number for ``t``'s storage, unique over the whole step (addresses are reused)."""
+    storage = t.untyped_storage()
+    key = st.serials.get(storage)
+    if key is None:
+        st.next_key += 1
+        key = st.serials[storage] = st.next_key
+    return key
+
+
+def _output_bytes(st: _State, out: Any) -> tuple[int, int]:
+    """Bytes of the tensors in ``out``, and of the largest of them, that are not parameters, buffers or the batch (each
+    tensor once; from its shape alone: touching its storage here perturbs the tracker)."""
+    fixed = {id(t) for t in (*st.root.parameters(), *st.root.buffers())}
+    seen: dict[int, int] = {}
+    for t in output_tensors(out):
+        if id(t) not in fixed and id(t) not in st.batch_ids:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values()), max(seen.values(), default=0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+class _Recorder(TorchFunctionMode):
+    """Records every torch call: arguments' and outputs' storages, in-place writes, costs."""
+
+    def __init__(self, state: _State, flops: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.flops = flops
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        st = self.state
+        if st.dispatching:
+            return func(*args, **kwargs)  # an ATen op below the program (see _RandomWatch)
+        ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        versions = [_version(t) for t in ins]
+        index = len(st.calls)
+        rec = _Rec(index, func, _op_name(func), st.scope(), st.group(index), st.inside > 0)
+        memory = st.memory
+        before = memory.mark() if memory is not None else -1
+        flops0 = _total_flops(self.flops)
+        prev, st.current = st.current, rec
+        span = st.allocator.begin() if st.allocator is not None else -1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            st.current = prev
+            if st.allocator is not None:
+                st.allocator.end(span)
+        outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if in_transform(ins, outs):
+            _check_transform_call(func, ins, outs)
+            return out  # inside torch.vmap (a Hugging Face mask): not part of the program
+        mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
+        if not is_tensor_call(func, outs, mutated):
+            return out  # sizes, flags, hooks: not part of the program
+        st.calls.append(rec)
+        rec.mutated = mutated
+        rec.fwd_cost = _total_flops(self.flops) - flops0
+        if memory is not None:
+            rec.mem = (before, memory.mark())
+        rec.span = span
+        for t in ins:
+            key = _key(st, t)
+            rec.in_keys.append(key)
+            if key not in st.known:  # a tensor made outside any call (module attribute, ...)
+                st.known[key] = _nbytes(t)
+        for t in outs:
+            key = _key(st, t)
+            rec.out_keys.append(key)
+            rec.new.append(key not in st.known)
+            if key not in st.known:
+                st.known[key] = _nbytes(t)
+        changed = outs + [ins[i] for i in mutated]
+        rec.requires_grad = any(t.requires_grad for t in changed)
+        if rec.requires_grad and torch.is_grad_enabled():
+            _claim_grad_fns(st, changed, index)
+        return out
+
+
+_UNCOUNTED_GETTERS = frozenset({"grad", "_grad", "_base"})
+
+
+def in_transform(*objs: Any) -> bool:
+    """True for a call made inside a ``torch.func`` transform (``torch.vmap``, as Hugging Face
+    uses to build attention masks): its tensors are functorch wrappers, which have no storage.
+
+    Such calls are not part of the program (neither the recorder nor the executor counts them):
+    the transform's result, an ordinary tensor, enters the program where a call reads it,
+    like a tensor made outside any call.
+    """
+    if torch._C._functorch.maybe_current_level() is None:  # no transform running: fast path
+        return False
+    return any(isinstance(t, torch.Tensor) and _functorch_wrapped(t) for t in tree_leaves(objs))
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    while _functorch_wrapped(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _check_transform_call(
+    func: Callable[..., Any], ins: list[torch.Tensor], outs: list[torch.Tensor]
+) -> None:
+    """Refuse a call inside a transform that touches a tensor requiring grad: its autograd
+    functions and saved tensors would be invisible to the graph (a silently wrong memory
+    model). Masks and indices built under ``torch.vmap`` need no gradient and pass."""
+    if not torch.is_grad_enabled():
+        return
+    if any(_unwrapped(t).requires_grad for t in (*ins, *outs)):
+        raise _transform_error(_op_name(func))
+
+
+def _transform_error(what: str) -> ValueError:
+    return ValueError(
+        f"the model runs {what} inside a torch.func transform (torch.vmap, torch.func.grad, "
+        "...): the graph capture cannot measure it (it supports only calls that need no "
+        "gradient under a transform, such as the masks Hugging Face builds with torch.vmap). "
+        "Plan the model as a chain instead (remat.auto(..., stages=[...]) naming its blocks), "
+        "or compute that part without the transform"
+    )
+
+
+def is_tensor_call(func: Callable[..., Any], outs: list[torch.Tensor], mutated: tuple) -> bool:
+    """True for a call that is part of the program: it returns a tensor or writes one in place.
+
+    Property reads that tools make (``.grad``, ``._base``) are not, nor are calls returning
+    no tensor (``size``, ``dim``, ``register_hook``): profilers and trackers make those from
+    their hooks, and they must not shift the numbering of the model's calls.
+    """
+    if not outs and not mutated:
+        return False
+    if getattr(func, "__name__", None) == "__get__":
+        owner = getattr(func, "__self__", None)
+        if getattr(owner, "__name__", None) in _UNCOUNTED_GETTERS:
+            return False
+    return True
+
+
+class _RandomWatch(TorchDispatchMode):
+    """Marks the current call random when an ATen op tagged ``nondeterministic_seeded`` runs."""
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        rec = self.state.current
+        if rec is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            rec.random = True
+        # ATen ops run from here are below the program (functorch's C++ _remove_batch_dim
+        # dispatches its unsqueeze/expand here when a dispatch mode is active): the recorder
+        # must not count them, since the executor, which has no dispatch mode, never sees them
+        self.state.dispatching += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.state.dispatching -= 1
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", None)
+    if name in (None, "__get__", "__set__"):
+        owner = getattr(func, "__self__", None) or getattr(func, "__objclass__", None)
+        name = getattr(owner, "__name__", None) or str(func)
+    return str(name).strip("_") or str(name)
+
+
+def _total_flops(counter: WorkCounter | None) -> float:
+    """FLOPs, or modelled seconds, counted so far (0 without a counter)."""
+    return 0.0 if counter is None else counter.cost()
+
+
+def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
+    """Assign the autograd functions this call created (reachable from its outputs through
+    functions no earlier call owns) to the call."""
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in st.grad_fns or type(fn).__name__ == "AccumulateGrad":
+            continue
+        st.grad_fns[fn] = index
+        stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
+
+
+def _record(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    costs: bool,
+    flops: bool,
+    time_model: TimeModel | None = None,
+) -> _State:
+    """Run ``loss_fn(model, batch)`` (and the backward when ``costs``) under the recorder."""
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    st = _State(root=model, names=names)
+    for t in (*model.parameters(), *model.buffers()):
+        st.fixed.add(_key(st, t))
+        if isinstance(t, nn.Parameter) and t.requires_grad:
+            st.params[_key(st, t)] = st.params.get(_key(st, t), 0) + t.numel() * t.element_size()
+        st.known[_key(st, t)] = _nbytes(t)
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            st.batch_keys[_key(st, t)] = _nbytes(t)
+            st.batch_ids.add(id(t))
+            st.known[_key(st, t)] = _nbytes(t)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _key(st, t)
+        if key not in st.fixed and key not in st.batch_keys:
+            st.real_saved[key] = _nbytes(t)
+        if st.current is None:
+            st.stray_saves += 1
+        else:
+            st.current.saves.append((key, _nbytes(t)))
+        return t
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        if in_transform(args):
+            # a module run by torch.vmap (MemTracker's own hooks cannot read its arguments)
+            raise _transform_error(f"the module {names.get(id(module)) or type(module).__name__}")
+        st.serial += 1
+        st.stack.append((module, st.serial))
+        if module is model:
+            st.inside += 1
+            st.entered += 1
+            if st.entered > 1:
+                raise ValueError(ONE_MODEL_CALL)
+
+    def post_hook(module: nn.Module, args: Any, out: Any) -> None:
+        if st.stack and st.stack[-1][0] is module:
+            st.stack.pop()
+        if module is model:
+            st.inside -= 1
+            with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
+                st.output_bytes, st.largest_output_bytes = _output_bytes(st, out)
+
+    counter = WorkCounter(time_model) if (costs and flops) else None
+    tracker = StepTracker(timeline=False) if costs else None
+    st.memory = _Memory(tracker) if tracker is not None else None
+    if costs and not flops:  # fake tensors allocate nothing: no kernel scratch to see
+        if torch.autograd.profiler._is_profiler_enabled:  # a second one would end the user's
+            warnings.warn(
+                "capture_graph runs inside a torch.profiler session: it cannot count the "
+                "scratch memory of kernels (oneDNN convolutions, batch norms) and may "
+                "under-predict such models; capture outside the profiler",
+                stacklevel=5,
+            )
+        else:
+            st.allocator = _Allocator(_device_of(model, batch))
+    params = list(model.parameters())
+    grads = {p: p.grad for p in params}
+    for p in params:
+        p.grad = None
+    with ExitStack() as stack:
+        stack.callback(lambda: [setattr(p, "grad", g) for p, g in grads.items()])
+        pre = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        stack.callback(pre.remove)
+        post = nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+        stack.callback(post.remove)
+        if tracker is not None:
+            tracker.track_external(model, batch)
+            stack.enter_context(tracker)
+            tracker.start()
+        if st.allocator is not None:
+            stack.enter_context(st.allocator)
+        if counter is not None:
+            stack.enter_context(counter)
+        stack.enter_context(_RandomWatch(st))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _Recorder(st, counter):
+                loss = loss_fn(model, batch)
+        if st.entered != 1:
+            raise ValueError(ONE_MODEL_CALL)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("loss_fn(model, batch) must return a scalar tensor")
+        st.loss_key = _key(st, loss)
+        if costs and loss.requires_grad:
+            _backward_costs(st, loss, counter)
+        del loss
+    return st
+
+
+def _backward_costs(st: _State, loss: torch.Tensor, counter: Any) -> None:
+    """Run the backward with hooks on every autograd function: FLOPs and memory samples."""
+    handles = []
+    calls = st.calls
+    memory = st.memory
+    allocator = st.allocator
+    starts: dict[Any, tuple[float, int, int]] = {}
+
+    def make_hooks(fn: Any, index: int) -> None:
+        def pre(grad_outputs: Any) -> None:
+            span = allocator.begin() if allocator is not None else -1
+            starts[fn] = (_total_flops(counter), memory.mark() if memory is not None else -1, span)
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            flops, mark, span = starts.pop(fn, (0.0, -1, -1))
+            if allocator is not None and span >= 0:
+                allocator.end(span)
+            calls[index].bwd_cost += _total_flops(counter) - flops
+            if memory is not None:
+                st.backward.append((index, mark, memory.mark(), span))
+
+        handles.append(fn.register_prehook(pre))
+        handles.append(fn.register_hook(post))
+
+    for fn, index in st.grad_fns.items():
+        make_hooks(fn, index)
+    try:
+        if memory is not None:
+            memory.tracker.set_phase("backward")
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _Memory:
+    """Activation-side bytes sampled by a :class:`~remat.measure.profile.StepTracker`, parameter
+    gradients excluded (they are re-tagged when accumulated, after the operation that made
+    them: the tracker corrects earlier samples)."""
+
+    def __init__(self, tracker: StepTracker) -> None:
+        self.tracker = tracker
+
+    def mark(self) -> int:
+        """Take a sample now; returns its index."""
+        self.tracker.reset_window()
+        return len(self.tracker._activation) - 1
+
+    def peak(self, first: int, last: int) -> int:
+        """Highest corrected sample in ``[first, last]``."""
+        return int(self.tracker._corrected_max(first, last + 1, phases_only=False))
+
+    def rise_with_grads(self, first: int, last: int) -> int:
+        """Highest sample in ``[first, last]`` above sample ``first``, parameter gradients
+        included (what the allocator also counts)."""
+        samples = self.tracker._with_grads
+        return max(samples[first : last + 1], default=0) - samples[first]
+
+
+class _Allocator:
+    """The allocator's own events over the recorded step (real tensors only).
+
+    A TorchDispatchMode (the tracker) sees tensors, not the scratch memory kernels allocate
+    inside themselves (oneDNN's weight and input reorders in a CPU convolution, batch-norm and
+    LSTM workspaces). One ``torch.profiler`` with ``profile_memory=True`` runs over the whole
+    step; every recorded call and every autograd function is a named range (a
+    ``_RecordFunctionFast``, which no torch-function mode sees), and :meth:`rises` gives, per
+    range, the highest running sum of the allocation events inside it above its value at the
+    range's start. On CUDA the caching allocator reports to the same profiler.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device_type = device.type
+        self.profiler: Any = None
+        self.ranges: list[Any] = []
+        self.names: list[str] = []
+        self._rises: list[int] | None = None
+
+    def __enter__(self) -> _Allocator:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.profiler.__exit__(*exc)
+
+    def begin(self) -> int:
+        from torch._C._profiler import _RecordFunctionFast
+
+        span = len(self.ranges)
+        name = f"remat.graph_capture.{span}"
+        record = _RecordFunctionFast(name)
+        record.__enter__()
+        self.ranges.append(record)
+        self.names.append(name)
+        return span
+
+    def end(self, span: int) -> None:
+        record = self.ranges[span]
+        if record is not None:
+            record.__exit__(None, None, None)
+            self.ranges[span] = None
+
+    def rise(self, span: int) -> int:
+        """Allocator bytes above the range's start at its highest point (0 if unknown)."""
+        if span < 0:
+            return 0
+        if self._rises is None:
+            self._rises = self._compute()
+        return self._rises[span] if span < len(self._rises) else 0
+
+    def _compute(self) -> list[int]:
+        import bisect
+
+        events = self.profiler.profiler.kineto_results.events()
+        index = {name: k for k, name in enumerate(self.names)}
+        bounds: list[tuple[int, int] | None] = [None] * len(self.names)
+        memory: list[tuple[int, int]] = []
+        for event in events:
+            name = event.name()
+            if name == "[memory]":
+                if str(event.device_type()).rsplit(".", 1)[-1].lower() == self.device_type:
+                    memory.append((event.start_ns(), event.nbytes()))
+            elif name in index:
+                start = event.start_ns()
+                bounds[index[name]] = (start, start + event.duration_ns())
+        memory.sort(key=lambda e: e[0])
+        times = [t for t, _ in memory]
+        running = [0]
+        for _, nbytes in memory:
+            running.append(running[-1] + nbytes)
+        rises = []
+        for bound in bounds:
+            if bound is None:
+                rises.append(0)
+                continue
+            lo = bisect.bisect_left(times, bound[0])
+            hi = bisect.bisect_right(times, bound[1])
+            top = max(running[lo + 1 : hi + 1], default=running[lo])
+            rises.append(max(0, top - running[lo]))
+        return rises
+
+
+def _device_of(model: nn.Module, batch: Any) -> torch.device:
+    for t in (*model.parameters(), *tree_leaves(batch)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _time_calls(
+    model: nn.Module, batch: BatchCopy, loss_fn: LossFn, st: _State, repeats: int
+) -> None:
+    """Seconds per call: ``repeats`` steps under a light timing mode, medians (each on the
+    recorded step's input: :meth:`~remat.measure.profile.BatchCopy.restore`)."""
+    calls = st.calls
+
+    class Timer(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.index = 0
+            self.grad_fns: dict[Any, int] = {}
+            self.seconds = [0.0] * len(calls)
+
+        def __torch_function__(
+            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            versions = [_version(t) for t in ins]
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+            if in_transform(ins, outs):
+                return out
+            mutated = tuple(i for i, t in enumerate(ins) if _version(t) != versions[i])
+            if not is_tensor_call(func, outs, mutated):
+                return out
+            index = self.index
+            self.index += 1
+            if index < len(self.seconds):
+                self.seconds[index] += seconds
+            if torch.is_grad_enabled():
+                stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+                while stack:
+                    fn = stack.pop()
+                    if fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
+                        continue
+                    self.grad_fns[fn] = index
+                    stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
+            return out
+
+    params = list(model.parameters())
+    for _ in range(repeats):
+        timer = Timer()
+        inputs = batch.restore()
+        with timer:
+            loss = loss_fn(model, inputs)
+        if timer.index != len(calls):
+            raise RuntimeError(
+                f"the timed step made {timer.index} torch calls, the recorded one {len(calls)}: "
+                "the model's forward is not deterministic in its calls"
+            )
+        bwd = [0.0] * len(calls)
+        handles = _timing_hooks(timer.grad_fns, bwd)
+        try:
+            if loss.requires_grad:
+                loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+            for p in params:
+                p.grad = None
+        del loss
+        for rec, fwd, back in zip(calls, timer.seconds, bwd, strict=True):
+            rec.times.append(fwd)
+            rec.bwd_times.append(back)
+    for rec in calls:
+        rec.fwd_cost = statistics.median(rec.times)
+        rec.bwd_cost = statistics.median(rec.bwd_times)
+
+
+def _timing_hooks(grad_fns: dict[Any, int], seconds: list[float]) -> list[Any]:
+    """Hooks adding each autograd function's backward seconds to its call's entry."""
+    starts: dict[Any, float] = {}
+    handles = []
+    for fn, index in grad_fns.items():
+
+        def pre(grad_outputs: Any, fn: Any = fn) -> None:
+            starts[fn] = time.perf_counter()
+
+        def post(grad_inputs: Any, grad_outputs: Any, fn: Any = fn, index: int = index) -> None:
+            seconds[index] += time.perf_counter() - starts.pop(fn, time.perf_counter())
+
+        handles.append(fn.register_prehook(pre))
+        handles.append(fn.register_hook(post))
+    return handles
+
+
+@contextmanager
+def _preserved(model: nn.Module) -> Iterator[None]:
+    """Restore buffers, parameter gradients and the RNG state afterwards."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = {p: p.grad for p in model.parameters()}
+    devices = sorted({t.device for t, _ in buffers if t.device.type == "cuda"}, key=str)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g
+
+
+# ---------------------------------------------------------------------- calls to nodes
+@dataclass
+class _N:
+    """A provisional node while grouping."""
+
+    calls: list[int] = field(default_factory=list)
+    name_call: int = -1
+    order: int = -1
+    inputs: set[int] = field(default_factory=set)
+    saved_inputs: set[int] = field(default_factory=set)
+    storages: list[int] = field(default_factory=list)
+    read: set[int] = field(default_factory=set)
+    own_saved: dict[int, int] = field(default_factory=dict)
+    saved_outputs: set[int] = field(default_factory=set)
+    self_saved: set[int] = field(default_factory=set)
+    inside: bool = True
+
+
+def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
+    calls = st.calls
+    owner: dict[int, int] = {}  # storage -> node
+    readers: dict[int, set[int]] = {}  # storage -> foreign nodes that read it since its last write
+    nodes: list[_N] = []
+    by_group: dict[tuple[Any, ...], int] = {}
+    constants: set[int] = set()
+    saved_constants: dict[int, int] = {}
+    call_node: list[int | None] = [None] * len(calls)
+    is_view = [False] * len(calls)
+
+    def new_node(rec: _Rec) -> int:
+        nodes.append(_N(name_call=rec.index, inside=rec.inside))
+        return len(nodes) - 1
+
+    for rec in calls:
+        if not rec.out_keys and not rec.mutated:
+            continue  # sizes, flags, ...
+        prior = [owner.get(k) for k in rec.in_keys]
+        written = [rec.in_keys[i] for i in rec.mutated if rec.in_keys[i] in owner]
+        new = [k for k, fresh in zip(rec.out_keys, rec.new, strict=True) if fresh]
+        reads = True
+        if new and rec.requires_grad:
+            group = rec.group if level == "module" else ("call", rec.index)
+            v = by_group.get(group)
+            if v is None:
+                v = by_group[group] = new_node(rec)
+            for k in new:
+                owner[k] = v
+                nodes[v].storages.append(k)
+            for k in written:
+                owner[k], readers[k] = v, set()
+        elif written:
+            u = owner[written[0]]
+            foreign = readers.get(written[0], set()) - {u}
+            v = new_node(rec) if foreign else u
+            for k in written:
+                if k not in nodes[v].storages:
+                    nodes[v].storages.append(k)
+                owner[k], readers[k] = v, set()
+        elif new:
+            constants.update(new)  # needs no gradient: masks, indices, ...
+            continue
+        else:
+            owned = [owner[k] for k in rec.out_keys if k in owner]
+            if not owned:
+                continue  # a view of a parameter, buffer, batch or constant
+            v, reads, is_view[rec.index] = owned[0], False, True
+        call_node[rec.index] = v
+        node = nodes[v]
+        node.calls.append(rec.index)
+        if not is_view[rec.index]:
+            node.order = rec.index
+        if reads:
+            for k, u in zip(rec.in_keys, prior, strict=True):
+                if u is None or u == v:
+                    continue
+                node.inputs.add(u)
+                nodes[u].read.add(k)
+                readers.setdefault(k, set()).add(v)
+        for k, nbytes in rec.saves:
+            if k in st.fixed or k in st.batch_keys:
+                continue
+            if k in constants or (k not in owner and k in st.known):
+                saved_constants[k] = nbytes
+                continue
+            u = owner.get(k)
+            if u is None or u == v:  # own output, or a storage made inside the call
+                node.own_saved[k] = nbytes
+                if u == v:
+                    node.saved_outputs.add(k)
+                    node.self_saved.add(k)
+            else:
+                node.saved_inputs.add(u)
+                nodes[u].saved_outputs.add(k)
+
+    # outputs: the storages other nodes read (a sink: its last storage)
+    outs: list[list[int]] = []
+    for node in nodes:
+        read = [k for k in node.storages if k in node.read]
+        outs.append(read or node.storages[-1:])
+    output_saved = [any(k in node.saved_outputs for k in outs[v]) for v, node in enumerate(nodes)]
+
+    # merge a node whose output nobody saves into its only consumer
+    parent = list(range(len(nodes)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    consumers: list[set[int]] = [set() for _ in nodes]
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            consumers[u].add(v)
+    loss_node = owner.get(st.loss_key)
+    for v in sorted(range(len(nodes)), key=lambda x: -nodes[x].order):
+        if output_saved[v] or v == loss_node or not outs[v]:
+            continue
+        targets = {find(c) for c in consumers[v]} - {find(v)}
+        if len(targets) != 1:
+            continue
+        w = targets.pop()
+        if nodes[w].inside != nodes[v].inside:
+            continue
+        parent[v] = w
+        keep, gone = nodes[w], nodes[v]
+        keep.calls.extend(gone.calls)
+        keep.inputs |= gone.inputs
+        keep.saved_inputs |= gone.saved_inputs
+        keep.own_saved.update(gone.own_saved)
+        keep.order = max(keep.order, gone.order)
+        for k in outs[v]:  # now internal: nobody saves them, so not counted
+            keep.own_saved.pop(k, None)
+
+    # keep the ancestors of the loss
+    roots = [find(v) for v in range(len(nodes))]
+    alive: set[int] = set()
+    if loss_node is not None:
+        stack = [find(loss_node)]
+        while stack:
+            x = stack.pop()
+            if x in alive:
+                continue
+            alive.add(x)
+            stack.extend(find(u) for u in nodes[x].inputs if find(u) != x)
+    final = sorted(alive, key=lambda x: nodes[x].order)
+    index = {x: i for i, x in enumerate(final)}
+    for c in range(len(calls)):
+        v = call_node[c]
+        call_node[c] = index.get(roots[v]) if v is not None else None
+
+    names: dict[str, int] = {}
+    graph_nodes = []
+    node_calls = []
+    for x in final:
+        node = nodes[x]
+        rec = calls[node.name_call]
+        if level == "module" and rec.group[0] == "leaf":
+            base = rec.scope
+        else:
+            base = f"{rec.scope}/{rec.op}"
+        count = names.get(base, 0)
+        names[base] = count + 1
+        name = base if count == 0 else f"{base}#{count}"
+        out_keys = set(outs[x])
+        out_bytes = sum(st.known[k] for k in out_keys)
+        residual = sum(b for k, b in node.own_saved.items() if k not in out_keys)
+        inputs = sorted({index[find(u)] for u in node.inputs if find(u) != x})
+        saved_inputs = sorted({index[find(u)] for u in node.saved_inputs if find(u) != x})
+        mine = sorted(node.calls)
+        graph_nodes.append(
+            Node(
+                name=name,
+                inputs=tuple(inputs),
+                fwd_time=float(sum(calls[c].fwd_cost for c in mine)),
+                bwd_time=float(sum(calls[c].bwd_cost for c in mine)),
+                out_bytes=out_bytes,
+                saved_bytes=out_bytes + residual,
+                fwd_overhead_bytes=0,
+                bwd_overhead_bytes=0,
+                saved_inputs=tuple(saved_inputs),
+            )
+        )
+        node_calls.append(tuple(mine))
+    if not graph_nodes:
+        raise ValueError(
+            "the traced step has no node with a gradient: does the loss depend on parameters "
+            "or on inputs that require grad?"
+        )
+    if st.memory is not None:
+        graph_nodes = _overheads(st, graph_nodes, call_node)
+    grad_node: dict[int, int] = {}  # parameter storage -> the last node that reads it
+    for rec in calls:
+        v = call_node[rec.index]
+        if v is None:
+            continue
+        for k in rec.in_keys:
+            if k in st.params:
+                grad_node[k] = max(grad_node.get(k, -1), v)
+    param_grads = [0] * len(graph_nodes)
+    for k, v in grad_node.items():
+        param_grads[v] += st.params[k]
+    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
+    graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
+    batch_bytes = sum(st.batch_keys.values())
+    const_bytes = sum(saved_constants.values())
+    graph = Graph(tuple(graph_nodes), input_bytes=batch_bytes + const_bytes, time_unit=time_unit)
+    infos = tuple(
+        CallInfo(
+            index=rec.index,
+            func=rec.func,
+            op=rec.op,
+            scope=rec.scope,
+            inside=rec.inside,
+            node=call_node[rec.index],
+            view=is_view[rec.index],
+            random=rec.random,
+            mutated=rec.mutated,
+        )
+        for rec in calls
+    )
+    return GraphTrace(
+        graph=graph,
+        level=level,
+        calls=infos,
+        node_calls=tuple(node_calls),
+        output_saved=tuple(output_saved[x] for x in final),
+        node_inside=tuple(nodes[x].inside for x in final),
+        saves_own_output=tuple(own),
+        batch_bytes=batch_bytes,
+        saved_constant_bytes=const_bytes,
+        real_saved_bytes=sum(st.real_saved.values()),
+        param_grad_bytes=tuple(param_grads),
+        output_bytes=st.output_bytes,
+        largest_output_bytes=st.largest_output_bytes,
+    )
+
+
+def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[Node]:
+    """Transient bytes per node, in the simulator's terms (docs/cost-model.md).
+
+    Forward: walking the node's calls, ``grown`` is what they hold so far (frees between two
+    of its calls counted when no other node ran in between); the node's peak is the highest
+    ``grown`` plus the excess of one call's peak over its start. The simulator allocates
+    ``saved_bytes`` at once, so the overhead is that peak minus ``saved_bytes``. Backward: the
+    same walk over the node's autograd functions in the order the engine ran them, minus the
+    input gradients the simulator allocates at the node's backward (the inputs whose last
+    reader, in node order, is this node).
+    """
+    memory = st.memory
+    assert memory is not None
+    value = memory.peak
+    allocator = st.allocator
+
+    def scratch(span: int, first: int, last: int) -> int:
+        """What only the allocator saw inside one call / autograd function (kernel scratch)."""
+        if allocator is None:
+            return 0
+        return scratch_bytes(allocator.rise(span), memory.rise_with_grads(first, last))
+
+    n = len(nodes)
+    fwd_peak = [0] * n
+    grown = [0] * n
+    last_end: list[int | None] = [None] * n
+    owner_of_last = None
+    for rec in st.calls:
+        v = call_node[rec.index]
+        if v is None or rec.mem[0] < 0:
+            continue
+        start, end = rec.mem
+        if last_end[v] is not None and owner_of_last == v:
+            grown[v] += value(start, start) - value(last_end[v], last_end[v])
+        excess = value(start, end) - value(start, start) + scratch(rec.span, start, end)
+        fwd_peak[v] = max(fwd_peak[v], grown[v] + excess)
+        grown[v] += value(end, end) - value(start, start)
+        last_end[v], owner_of_last = end, v
+    bwd_peak = [0] * n
+    grown = [0] * n
+    last_end = [None] * n
+    owner_of_last = None
+    for index, pre, post, span in st.backward:
+        v = call_node[index]
+        if v is None or pre < 0:
+            continue
+        if last_end[v] is not None and owner_of_last == v:
+            grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
+        excess = value(pre, post) - value(pre, pre) + scratch(span, pre, post)
+        bwd_peak[v] = max(bwd_peak[v], grown[v] + excess)
+        grown[v] += value(post, post) - value(pre, pre)
+        last_end[v], owner_of_last = post, v
+    last_reader = [-1] * n
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            last_reader[u] = max(last_reader[u], v)
+    out = []
+    for v, node in enumerate(nodes):
+        new_grads = sum(nodes[u].out_bytes for u in node.inputs if last_reader[u] == v)
+        out.append(
+            replace(
+                node,
+                fwd_overhead_bytes=max(0, fwd_peak[v] - node.saved_bytes),
+                bwd_overhead_bytes=max(0, bwd_peak[v] - new_grads),
+            )
+        )
+    return out

@@ -1,0 +1,1 @@
+"""The pure core: costs, plans, the simulator and the whole-step model (no torch)."""

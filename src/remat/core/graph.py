@@ -1,0 +1,343 @@
+"""The cost model of an arbitrary network: a :class:`Graph` of nodes (modules or ops).
+
+A graph is a DAG whose nodes are listed in a topological order (every input of node ``v`` has
+an index below ``v``). Node ``v`` is one operation: it reads the outputs of the nodes in
+``inputs`` and produces one output tensor (several output tensors are summed into one). Its
+costs follow the same convention as the chain model (:mod:`remat.core.chain`, ``docs/cost-model.md``):
+
+* ``fwd_time``, ``bwd_time``: seconds (or FLOPs, ``Graph.time_unit``) of one forward and of the
+  backward of the node.
+* ``out_bytes``: bytes of the output: what keeping the node's output costs, and the size of the
+  gradient that flows back into it.
+* ``saved_bytes``: what autograd keeps for the node's backward when it runs with grad,
+  **including its own output** and **excluding its inputs** (which are other nodes' outputs,
+  accounted there). Hence ``saved_bytes >= out_bytes``.
+* ``saved_inputs``: which inputs the backward reads (autograd saves them); ``None`` (the
+  default, and the chain model's assumption) means all of them. ``add`` and ``cat`` save no
+  input, ``relu`` saves its output only, a convolution saves its input.
+* ``fwd_overhead_bytes``, ``bwd_overhead_bytes``: transient bytes during the forward / during
+  the backward beyond the input gradients it produces.
+
+**The graph input is not a node.** ``Graph.input_bytes`` counts it; it is live for the whole
+step, gets no gradient, and reads of it are not recorded: a node with ``inputs == ()`` is a
+source that reads only the graph input (or nothing). **The outputs are the sinks**: the nodes
+no other node reads. The loss reads them and produces one gradient per sink. A tensor that is
+both returned and used later is modelled with an extra zero-cost identity sink.
+
+A path graph is exactly a :class:`~remat.core.chain.Chain` (:meth:`Graph.from_chain`), and
+simulates exactly like it (``tests/test_graph_core.py``).
+
+Example:
+    >>> g = Graph(
+    ...     nodes=[
+    ...         Node("conv", (), 1.0, 2.0, out_bytes=8, saved_bytes=8),
+    ...         Node("relu", (0,), 0.1, 0.1, out_bytes=8, saved_bytes=8, saved_inputs=()),
+    ...         Node("add", (0, 1), 0.1, 0.1, out_bytes=8, saved_bytes=8, saved_inputs=()),
+    ...     ],
+    ...     input_bytes=8,
+    ... )
+    >>> g.n, g.sinks, g.consumers(0)
+    (3, (2,), (1, 2))
+    >>> Graph.from_json(g.to_json()) == g
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from remat.core.schema import read_schema
+
+if TYPE_CHECKING:
+    from remat.core.chain import Chain
+
+__all__ = ["Node", "Graph", "GRAPH_SCHEMA_VERSION"]
+
+GRAPH_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of a :class:`Graph`: an operation and its output tensor (see module docstring)."""
+
+    name: str
+    """Unique name for reports (a module FQN or an op name such as ``layer1.0.conv1``)."""
+    inputs: tuple[int, ...]
+    """Indices of the nodes whose outputs this node reads, each below this node's index."""
+    fwd_time: float
+    """Time of one forward of the node, seconds (or FLOPs, see ``Graph.time_unit``)."""
+    bwd_time: float
+    """Time of the node's backward, same unit."""
+    out_bytes: int
+    """Bytes of the node's output (also the size of its gradient)."""
+    saved_bytes: int
+    """Bytes autograd keeps for the backward, own output included, inputs excluded."""
+    fwd_overhead_bytes: int = 0
+    """Transient bytes during the forward beyond what it keeps."""
+    bwd_overhead_bytes: int = 0
+    """Transient bytes during the backward beyond the input gradients it produces."""
+    saved_inputs: tuple[int, ...] | None = None
+    """The inputs the backward reads (a subset of ``inputs``); ``None`` means all of them."""
+    keeps_output: bool = True
+    """True (the chain model's assumption) when the node's own backward reads its output (a
+    ReLU, a softmax), so a stored node holds it until that backward. False when only its
+    consumers' backwards keep it (a convolution's output, saved by the next batch norm) or
+    none does: the output is then freed as soon as its last reader (a forward that reads it,
+    a backward that saved it, a checkpoint) is done, before the node's own backward."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "inputs", tuple(self.inputs))
+        if self.saved_inputs is not None:
+            set_(self, "saved_inputs", tuple(self.saved_inputs))
+        for name in ("fwd_time", "bwd_time"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"node {self.name!r}: {name} must be a number, got {value!r}")
+            value = float(value)
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"node {self.name!r}: {name} = {value}; must be finite and >= 0")
+            set_(self, name, value)
+        for name in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
+            set_(self, name, _as_bytes(self.name, name, getattr(self, name)))
+        if not isinstance(self.keeps_output, bool):
+            raise TypeError(f"node {self.name!r}: keeps_output must be a bool")
+        if self.saved_bytes < self.out_bytes:
+            raise ValueError(
+                f"node {self.name!r}: saved_bytes ({self.saved_bytes}) < out_bytes "
+                f"({self.out_bytes}); saved_bytes includes the node's own output"
+            )
+        if len(set(self.inputs)) != len(self.inputs):
+            raise ValueError(
+                f"node {self.name!r}: inputs {self.inputs} repeat a node; list each once"
+            )
+        if self.saved_inputs is not None and not set(self.saved_inputs) <= set(self.inputs):
+            raise ValueError(
+                f"node {self.name!r}: saved_inputs {self.saved_inputs} are not all in inputs "
+                f"{self.inputs}"
+            )
+
+    @property
+    def residual_bytes(self) -> int:
+        """Saved bytes beyond the output (``saved_bytes - out_bytes``)."""
+        return self.saved_bytes - self.out_bytes
+
+    @property
+    def backward_inputs(self) -> tuple[int, ...]:
+        """The inputs whose outputs the backward reads (``saved_inputs`` or all inputs)."""
+        return self.inputs if self.saved_inputs is None else self.saved_inputs
+
+    def to_obj(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["inputs"] = list(self.inputs)
+        if self.saved_inputs is not None:
+            data["saved_inputs"] = list(self.saved_inputs)
+        if self.keeps_output:
+            del data["keeps_output"]  # the default: graphs written before it read the same
+        return data
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A DAG of costed nodes in topological order plus the graph input (module docstring)."""
+
+    nodes: tuple[Node, ...]
+    """The nodes; ``nodes[v].inputs`` only name nodes before ``v``."""
+    input_bytes: int = 0
+    """Bytes of the graph input, live for the whole step (no gradient)."""
+    time_unit: str = "s"
+    """What the node times count: ``"s"`` (seconds) or ``"flop"``."""
+    _consumers: tuple[tuple[int, ...], ...] = field(
+        default=(), init=False, repr=False, compare=False
+    )
+    _fingerprint: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        nodes = tuple(self.nodes)
+        set_(self, "nodes", nodes)
+        if not nodes:
+            raise ValueError("a Graph needs at least one node")
+        set_(self, "input_bytes", _as_bytes("<graph>", "input_bytes", self.input_bytes))
+        if self.time_unit not in ("s", "flop"):
+            raise ValueError(f"time_unit must be 's' or 'flop', got {self.time_unit!r}")
+        consumers: list[list[int]] = [[] for _ in nodes]
+        names: dict[str, int] = {}
+        for v, node in enumerate(nodes):
+            if not isinstance(node, Node):
+                raise TypeError(f"Graph.nodes[{v}] is {type(node).__name__}, expected Node")
+            if node.name in names:
+                raise ValueError(
+                    f"node name {node.name!r} is used by nodes {names[node.name]} and {v}; "
+                    "names must be unique"
+                )
+            names[node.name] = v
+            for u in node.inputs:
+                if not isinstance(u, int) or isinstance(u, bool) or not 0 <= u < v:
+                    raise ValueError(
+                        f"node {v} ({node.name!r}) reads {u!r}: inputs must be indices of "
+                        "earlier nodes (list the nodes in a topological order)"
+                    )
+                consumers[u].append(v)
+        set_(self, "_consumers", tuple(tuple(c) for c in consumers))
+        digest = hashlib.sha256(self._canonical().encode()).hexdigest()[:16]
+        set_(self, "_fingerprint", digest)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_chain(cls, chain: Chain) -> Graph:
+        """The path graph of a chain: node ``i`` is stage ``i + 1`` and reads node ``i - 1``."""
+        nodes = [
+            Node(
+                name=chain.names[i],
+                inputs=(i - 1,) if i else (),
+                fwd_time=chain.fwd_time[i],
+                bwd_time=chain.bwd_time[i],
+                out_bytes=chain.out_bytes[i],
+                saved_bytes=chain.saved_bytes[i],
+                fwd_overhead_bytes=chain.fwd_overhead_bytes[i],
+                bwd_overhead_bytes=chain.bwd_overhead_bytes[i],
+            )
+            for i in range(chain.n)
+        ]
+        return cls(tuple(nodes), input_bytes=chain.input_bytes, time_unit=chain.time_unit)
+
+    @classmethod
+    def from_edges(
+        cls,
+        inputs: Sequence[Iterable[int]],
+        out_bytes: Sequence[int],
+        *,
+        fwd_time: Sequence[float] | None = None,
+        bwd_time: Sequence[float] | None = None,
+        saved_bytes: Sequence[int] | None = None,
+        input_bytes: int = 0,
+    ) -> Graph:
+        """A graph from per-node input lists and sizes (times default to 1 forward, 2 backward)."""
+        n = len(inputs)
+        fwd = fwd_time if fwd_time is not None else [1.0] * n
+        bwd = bwd_time if bwd_time is not None else [2.0 * t for t in fwd]
+        saved = saved_bytes if saved_bytes is not None else out_bytes
+        nodes = tuple(
+            Node(f"n{v}", tuple(inputs[v]), fwd[v], bwd[v], out_bytes[v], saved[v])
+            for v in range(n)
+        )
+        return cls(nodes, input_bytes=input_bytes)
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def n(self) -> int:
+        """Number of nodes."""
+        return len(self.nodes)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the costs and edges (names excluded): plans record it."""
+        return self._fingerprint
+
+    def consumers(self, v: int) -> tuple[int, ...]:
+        """The nodes that read node ``v``'s output, in increasing order."""
+        return self._consumers[v]
+
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        """The output nodes (read by no node): the loss reads them."""
+        return tuple(v for v in range(self.n) if not self._consumers[v])
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """The nodes that read no other node (they read the graph input, if anything)."""
+        return tuple(v for v, node in enumerate(self.nodes) if not node.inputs)
+
+    def is_path(self) -> bool:
+        """True when node ``v`` reads exactly node ``v - 1`` (a chain)."""
+        return all(node.inputs == ((v - 1,) if v else ()) for v, node in enumerate(self.nodes))
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Every ``(producer, consumer)`` pair."""
+        return [(u, v) for v, node in enumerate(self.nodes) for u in node.inputs]
+
+    def index(self, name: str) -> int:
+        """The index of the node called ``name``."""
+        for v, node in enumerate(self.nodes):
+            if node.name == name:
+                return v
+        raise KeyError(f"no node called {name!r}")
+
+    def total_fwd_time(self) -> float:
+        return sum(node.fwd_time for node in self.nodes)
+
+    def total_bwd_time(self) -> float:
+        return sum(node.bwd_time for node in self.nodes)
+
+    def check_order(self, order: Sequence[int]) -> None:
+        """Raise ``ValueError`` unless ``order`` is a permutation of the nodes."""
+        if sorted(order) != list(range(self.n)):
+            raise ValueError(f"an execution order must list each of the {self.n} nodes once")
+
+    def scaled(self, factor: float) -> Graph:
+        """The same graph with every byte count multiplied by ``factor`` (another batch size)."""
+
+        def scale(x: int) -> int:
+            return int(round(x * factor))
+
+        nodes = tuple(
+            replace(
+                node,
+                out_bytes=scale(node.out_bytes),
+                saved_bytes=max(scale(node.saved_bytes), scale(node.out_bytes)),
+                fwd_overhead_bytes=scale(node.fwd_overhead_bytes),
+                bwd_overhead_bytes=scale(node.bwd_overhead_bytes),
+            )
+            for node in self.nodes
+        )
+        return Graph(nodes, input_bytes=scale(self.input_bytes), time_unit=self.time_unit)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "remat.graph",
+            "version": GRAPH_SCHEMA_VERSION,
+            "input_bytes": self.input_bytes,
+            "time_unit": self.time_unit,
+            "nodes": [node.to_obj() for node in self.nodes],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Graph:
+        """Read a graph written by :meth:`to_json` (checks the schema and its version)."""
+
+        data = read_schema(text, "remat.graph", GRAPH_SCHEMA_VERSION, "remat graph", ValueError)
+        known = {f.name for f in fields(Node)}
+        nodes = tuple(Node(**{k: v for k, v in obj.items() if k in known}) for obj in data["nodes"])
+        return cls(
+            nodes, input_bytes=data.get("input_bytes", 0), time_unit=data.get("time_unit", "s")
+        )
+
+    def _canonical(self) -> str:
+        data = self.to_dict()
+        for obj in data["nodes"]:
+            obj.pop("name")
+        return json.dumps(data, sort_keys=True)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _as_bytes(node: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"node {node!r}: {name} must be a number of bytes, got {value!r}")
+    if isinstance(value, float):
+        if value != int(value):
+            raise ValueError(f"node {node!r}: {name} must be a whole number of bytes, got {value}")
+        value = int(value)
+    if value < 0:
+        raise ValueError(f"node {node!r}: {name} = {value}; bytes must be >= 0")
+    return int(value)

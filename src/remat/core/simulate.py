@@ -1,0 +1,408 @@
+"""The simulator: what a plan costs, :func:`simulate_graph` (:func:`remat.simulate` is its
+chain fast path, equal to it on the path graph event by event: ``tests/test_one_simulator.py``).
+
+Two steps, both public so that an executor can be checked against them:
+
+1. :func:`lower_plan` turns a :class:`~remat.core.graph_plan.GraphPlan` into an explicit
+   **schedule**: the forward ops, the loss, the backward ops with the recomputations inserted,
+   and after each op the tensors it is the last to need (reference counting: a tensor is freed
+   as soon as no later forward, recomputation, backward or checkpoint frame needs it).
+2. :func:`run_schedule` is a symbolic interpreter: it runs any schedule, checks it (no read
+   before compute, no use after free, every gradient produced before its backward, every node's
+   backward run once, nothing left allocated) and raises :class:`InfeasibleScheduleError` with
+   the op and tensor at fault; it returns the peak memory, the times and a timeline.
+
+The rules (``docs/graphs.md`` has them with an example):
+
+* The graph input (``input_bytes``) is live for the whole step.
+* Forward, in ``order`` (default: node order). A **stored** node (in no segment) runs with grad
+  (``F_all``): it allocates ``saved_bytes`` (output + residual) and keeps them, plus the inputs
+  its backward reads, until its backward. A node in a segment runs without grad (``F_none``):
+  it allocates its output only. Peak during an op: live + ``fwd_overhead_bytes``.
+* A **segment** keeps the forward copies of its external inputs until its first node's
+  backward (the non-reentrant checkpoint frame).
+* **Loss**: allocates one gradient per sink (``out_bytes``), then the outputs are released.
+* Backward, in reverse ``order``. Before the backward of node ``v``, every segment whose last
+  node (in ``order``) is ``v`` is **recomputed**, outermost first: its nodes run forward again
+  under its ``children`` sub-plan, reading the recomputed copies of its own nodes and the kept
+  copies of its external inputs. **Backward of** ``v`` (``B``): allocates the gradient of each
+  input that has none yet (gradients accumulate in place), peak = live +
+  ``bwd_overhead_bytes``, then frees ``v``'s gradient, its saved tensors and whatever else it
+  was the last to need.
+
+Example:
+    >>> from remat.core.graph import Graph
+    >>> from remat.core.graph_plan import GraphPlan
+    >>> g = Graph.from_edges([(), (0,), (1,), (2,)], out_bytes=[10, 10, 10, 10], input_bytes=10)
+    >>> simulate_graph(g, GraphPlan.none()).peak_bytes      # input + 4 outputs + 2 gradients
+    70
+    >>> simulate_graph(g, GraphPlan.from_segments([[0, 1]])).recompute_time
+    2.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.core.chain_simulate import Event, Simulation, register_simulator
+from remat.core.errors import InfeasibleScheduleError
+from remat.core.graph import Graph
+from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.step import StepCosts, StepEvent, step_peak
+
+__all__ = [
+    "simulate_graph",
+    "simulate_step_peak",
+    "graph_step_peak",
+    "lower_plan",
+    "run_schedule",
+    "GraphSimulation",
+    "GraphEvent",
+    "ScheduleOp",
+    "Tensor",
+    "InfeasibleScheduleError",
+]
+
+Tensor = tuple[str, int, int]
+"""A tensor of the schedule: ``(kind, node, version)``; kind is ``"out"`` (a node's output),
+``"res"`` (its saved residual, ``saved_bytes - out_bytes``) or ``"grad"`` (its gradient);
+version 0 is the first forward, each recomputation pass has its own number."""
+
+GRAPH_INPUT: Tensor = ("input", -1, 0)
+
+
+@dataclass(frozen=True)
+class ScheduleOp:
+    """One operation of a lowered schedule (see :func:`lower_plan`)."""
+
+    op: str
+    """``"F_all"`` (forward with grad), ``"F_none"`` (without grad), ``"loss"`` or ``"B"``."""
+    node: int
+    """Node index; -1 for the loss."""
+    recompute: bool
+    """True for a forward that repeats one already done."""
+    allocs: tuple[tuple[Tensor, int], ...]
+    """Tensors the op creates, with their bytes."""
+    reads: tuple[Tensor, ...]
+    """Tensors that must be live while the op runs (inputs, held tensors it releases)."""
+    frees: tuple[Tensor, ...]
+    """Tensors released right after the op."""
+    transient_bytes: int
+    """Extra bytes while the op runs (workspace)."""
+    time: float
+    """Time of the op."""
+
+
+GraphEvent = Event
+"""One operation of the simulated step: :class:`remat.core.chain_simulate.Event` (one type for chains and
+graphs; ``node`` is the node index, -1 for the loss)."""
+
+GraphSimulation = Simulation
+"""What a plan costs on a graph: :class:`remat.core.chain_simulate.Simulation` (one type for chains and
+graphs)."""
+
+
+def simulate_graph(
+    graph: Graph, plan: GraphPlan, order: Sequence[int] | None = None
+) -> GraphSimulation:
+    """Simulate one training step of ``graph`` under ``plan`` (see the module docstring).
+
+    ``order`` is the forward execution order (any topological order of the nodes; default the
+    node order); the backward runs in reverse. Raises :class:`InfeasibleScheduleError` when the
+    order is not topological.
+    """
+    return run_schedule(graph, lower_plan(graph, plan, order))
+
+
+def simulate_step_peak(
+    graph: Graph,
+    plan: GraphPlan,
+    fixed_bytes: int,
+    param_grad_bytes: Sequence[int],
+    order: Sequence[int] | None = None,
+    output_held_bytes: int = 0,
+) -> int:
+    """The whole training step's peak: ``fixed_bytes`` (parameters, buffers, optimizer state:
+    whatever lives all step besides ``graph.input_bytes``) + ``output_held_bytes`` (the model
+    output the training loop keeps, :mod:`remat.core.step`) + the parameter gradients made so far +
+    the plan's live bytes, maximised over the simulated timeline. ``param_grad_bytes[v]`` (from
+    :attr:`remat.capture.graph.GraphTrace.param_grad_bytes`) is counted from the backward of
+    ``v`` on, during that backward too. Compare with :func:`remat.measure.events.step_peak_bytes` of a
+    step that starts with no parameter gradient (``fixed_bytes`` then excludes them).
+    :func:`graph_step_peak` with :class:`remat.core.step.StepCosts` adds the optimizer step.
+    """
+    costs = StepCosts(
+        persistent_bytes=fixed_bytes,
+        grad_bytes=tuple(param_grad_bytes),
+        output_held_bytes=output_held_bytes,
+    )
+    return graph_step_peak(graph, plan, costs, order)
+
+
+def graph_step_peak(
+    graph: Graph, plan: GraphPlan, costs: StepCosts, order: Sequence[int] | None = None
+) -> int:
+    """:func:`remat.core.step.step_peak` of ``plan`` over the graph's simulated timeline
+    (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per recomputed segment,
+    nested ones included)."""
+    if len(costs.grad_bytes) != graph.n:
+        raise ValueError(
+            f"param_grad_bytes has {len(costs.grad_bytes)} entries; the graph has {graph.n} nodes"
+        )
+    timeline = simulate_graph(graph, plan, order).timeline
+    segments = _count_segments(plan.segments) if costs.checkpoint_state_bytes else 0
+    return step_peak(
+        (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline),
+        costs,
+        segments * costs.checkpoint_state_bytes,
+    )
+
+
+def _count_segments(segments: Sequence[GraphSegment]) -> int:
+    return sum(1 + _count_segments(s.children) for s in segments)
+
+
+def lower_plan(
+    graph: Graph, plan: GraphPlan, order: Sequence[int] | None = None
+) -> tuple[ScheduleOp, ...]:
+    """The explicit schedule of ``plan``: every op in order with the tensors it frees."""
+    plan = plan.for_graph(graph)
+    return _Lowering(graph, plan, order).run()
+
+
+def run_schedule(graph: Graph, schedule: Sequence[ScheduleOp]) -> GraphSimulation:
+    """Interpret ``schedule`` symbolically, check it, and return its cost.
+
+    Raises :class:`InfeasibleScheduleError` on a read of a tensor that was never computed or
+    was already freed, a backward before its gradient exists, a node whose backward is missing
+    or runs twice, or tensors still allocated at the end.
+    """
+    nodes = graph.nodes
+    live_size: dict[Tensor, int] = {GRAPH_INPUT: graph.input_bytes}
+    freed: set[Tensor] = set()
+    live = graph.input_bytes
+    peak = live
+    forward_peak = live
+    seen_loss = False
+    counts = [0] * graph.n
+    backward_done = [False] * graph.n
+    events: list[Event] = []
+    total = fwd_first = bwd = recompute = 0.0
+
+    def where(i: int, op: ScheduleOp) -> str:
+        name = "the loss" if op.node < 0 else f"node {op.node} ({nodes[op.node].name!r})"
+        return f"op {i} ({op.op} of {name})"
+
+    for i, op in enumerate(schedule):
+        for tensor in op.reads:
+            if tensor not in live_size:
+                what = _describe(graph, tensor)
+                if tensor in freed:
+                    raise InfeasibleScheduleError(f"{where(i, op)} uses {what} after it was freed")
+                if tensor[0] == "grad":
+                    raise InfeasibleScheduleError(
+                        f"{where(i, op)} reads {what} before it is produced (the backward must "
+                        "follow the reverse of a topological order, after the loss)"
+                    )
+                raise InfeasibleScheduleError(
+                    f"{where(i, op)} reads {what} before it is computed (is the order "
+                    "topological, and is every segment input kept?)"
+                )
+        if op.op == "B":
+            grad = ("grad", op.node, 0)
+            if grad not in live_size:
+                raise InfeasibleScheduleError(
+                    f"{where(i, op)} runs before the gradient of its output is produced "
+                    "(the backward must follow the reverse of a topological order)"
+                )
+            if backward_done[op.node]:
+                raise InfeasibleScheduleError(f"{where(i, op)}: this node's backward ran twice")
+            backward_done[op.node] = True
+            bwd += op.time
+        elif op.op in ("F_all", "F_none"):
+            if counts[op.node]:
+                recompute += op.time
+            else:
+                fwd_first += op.time
+            counts[op.node] += 1
+        elif op.op == "loss":
+            seen_loss = True
+        else:
+            raise InfeasibleScheduleError(f"op {i}: unknown operation {op.op!r}")
+        for tensor, nbytes in op.allocs:
+            if tensor in live_size or tensor in freed:
+                raise InfeasibleScheduleError(
+                    f"{where(i, op)} allocates {_describe(graph, tensor)} a second time"
+                )
+            live_size[tensor] = nbytes
+            live += nbytes
+        op_peak = live + op.transient_bytes
+        peak = max(peak, op_peak)
+        if not seen_loss:
+            forward_peak = peak
+        for tensor in op.frees:
+            if tensor == GRAPH_INPUT:
+                raise InfeasibleScheduleError(f"{where(i, op)} frees the graph input")
+            if tensor not in live_size:
+                raise InfeasibleScheduleError(
+                    f"{where(i, op)} frees {_describe(graph, tensor)}, which is not allocated"
+                )
+            live -= live_size.pop(tensor)
+            freed.add(tensor)
+        total += op.time
+        events.append(Event(op.op, op.node, op.recompute, op_peak, live, op.time))
+
+    missing = [v for v in range(graph.n) if not backward_done[v]]
+    if missing:
+        raise InfeasibleScheduleError(
+            f"the backward of nodes {missing[:10]} never runs: every gradient must be produced"
+        )
+    leaked = sorted(t for t in live_size if t != GRAPH_INPUT)
+    if leaked:
+        shown = ", ".join(_describe(graph, t) for t in leaked[:5])
+        raise InfeasibleScheduleError(f"{len(leaked)} tensors are never freed: {shown}")
+    return Simulation(
+        peak_bytes=peak,
+        total_time=total,
+        forward_time=fwd_first,
+        backward_time=bwd,
+        recompute_time=recompute,
+        forward_peak_bytes=forward_peak,
+        forward_counts=tuple(counts),
+        timeline=tuple(events),
+    )
+
+
+def _describe(graph: Graph, tensor: Tensor) -> str:
+    kind, v, version = tensor
+    if kind == "input":
+        return "the graph input"
+    name = graph.nodes[v].name if 0 <= v < graph.n else "?"
+    what = {"out": "the output", "res": "the saved residual", "grad": "the gradient"}[kind]
+    copy = "" if kind == "grad" else (" (first forward)" if version == 0 else f" (pass {version})")
+    return f"{what} of node {v} ({name!r}){copy}"
+
+
+class _Lowering:
+    """Builds the schedule of a plan; see the rules in the module docstring."""
+
+    def __init__(self, graph: Graph, plan: GraphPlan, order: Sequence[int] | None) -> None:
+        self.graph = graph
+        self.order = list(range(graph.n)) if order is None else list(order)
+        graph.check_order(self.order)
+        self.pos = [0] * graph.n
+        for i, v in enumerate(self.order):
+            self.pos[v] = i
+        self.plan = plan
+        self.ops: list[
+            tuple[str, int, bool, list[tuple[Tensor, int]], list[Tensor], int, float]
+        ] = []
+        self.top: dict[int, Tensor] = {}
+        self.last_use: dict[Tensor, int] = {}
+        self.holds: dict[int, list[Tensor]] = {}  # what B(v) needs: saved tensors, inputs
+        self.frame_release: dict[int, list[Tensor]] = {}  # segment frames ending at B(v)
+        self.frame_env: dict[int, dict[int, Tensor]] = {}  # id(segment) -> its kept inputs
+        self.recompute_at: dict[int, list[GraphSegment]] = {}
+        self.passes = 0
+        self.computed = [0] * graph.n
+        for seg in plan.segments:
+            self._index(seg, 0)
+        for segs in self.recompute_at.values():
+            segs.sort(key=lambda s: -len(s.nodes))  # a parent is larger than its children
+
+    def _index(self, seg: GraphSegment, depth: int) -> None:
+        last = max(seg.nodes, key=lambda v: self.pos[v])
+        self.recompute_at.setdefault(last, []).append(seg)
+        for child in seg.children:
+            self._index(child, depth + 1)
+
+    def _emit(
+        self,
+        op: str,
+        node: int,
+        recompute: bool,
+        allocs: list[tuple[Tensor, int]],
+        reads: list[Tensor],
+        transient: int,
+        time: float,
+    ) -> None:
+        idx = len(self.ops)
+        self.ops.append((op, node, recompute, allocs, reads, transient, time))
+        last_use = self.last_use
+        for tensor, _ in allocs:
+            last_use[tensor] = idx
+        for tensor in reads:
+            last_use[tensor] = idx
+
+    def _forward_pass(
+        self, nodes: Sequence[int], children: Sequence[GraphSegment], env: dict[int, Tensor]
+    ) -> None:
+        """Run ``nodes`` forward (one pass: the first forward or a recomputation)."""
+        version = self.passes
+        self.passes += 1
+        graph = self.graph
+        local = dict(env)
+        child_of = {v: id(c) for c in children for v in c.nodes}
+        for v in sorted(nodes, key=lambda x: self.pos[x]):
+            node = graph.nodes[v]
+            grad = v not in child_of
+            reads = [local[u] if u in local else ("out", u, -1) for u in node.inputs]
+            out: Tensor = ("out", v, version)
+            allocs: list[tuple[Tensor, int]] = [(out, node.out_bytes)]
+            if grad:
+                res: Tensor = ("res", v, version)
+                allocs.append((res, node.residual_bytes))
+                inputs = {u: t for u, t in zip(node.inputs, reads, strict=True)}
+                held = [out, res] if node.keeps_output else [res]
+                self.holds[v] = [*held, *(inputs[u] for u in node.backward_inputs)]
+            recompute = self.computed[v] > 0
+            self.computed[v] += 1
+            op = "F_all" if grad else "F_none"
+            self._emit(op, v, recompute, allocs, reads, node.fwd_overhead_bytes, node.fwd_time)
+            local[v] = out
+        for child in children:
+            ext = child.external_inputs(graph)
+            kept = {u: local.get(u, ("out", u, -1)) for u in ext}
+            self.frame_env[id(child)] = kept
+            first = min(child.nodes, key=lambda x: self.pos[x])
+            self.frame_release.setdefault(first, []).extend(kept.values())
+        if version == 0:
+            self.top = local
+
+    def run(self) -> tuple[ScheduleOp, ...]:
+        graph = self.graph
+        self._forward_pass(range(graph.n), self.plan.segments, {})
+        sinks = graph.sinks
+        grads_made = set(sinks)
+        self._emit(
+            "loss",
+            -1,
+            False,
+            [(("grad", o, 0), graph.nodes[o].out_bytes) for o in sinks],
+            [self.top[o] for o in sinks],
+            0,
+            0.0,
+        )
+        for v in reversed(self.order):
+            for seg in self.recompute_at.get(v, ()):
+                self._forward_pass(seg.nodes, seg.children, self.frame_env[id(seg)])
+            node = graph.nodes[v]
+            allocs: list[tuple[Tensor, int]] = []
+            for u in node.inputs:
+                if u not in grads_made:
+                    grads_made.add(u)
+                    allocs.append((("grad", u, 0), graph.nodes[u].out_bytes))
+            reads = [("grad", v, 0), *self.holds.pop(v, ()), *self.frame_release.pop(v, ())]
+            self._emit("B", v, False, allocs, reads, node.bwd_overhead_bytes, node.bwd_time)
+        frees: list[list[Tensor]] = [[] for _ in self.ops]
+        for tensor, idx in self.last_use.items():
+            if tensor[2] >= 0 or tensor[0] == "grad":
+                frees[idx].append(tensor)
+        return tuple(
+            ScheduleOp(op, node, rec, tuple(al), tuple(rd), tuple(sorted(f)), tr, t)
+            for (op, node, rec, al, rd, tr, t), f in zip(self.ops, frees, strict=True)
+        )
+
+
+register_simulator(Graph, simulate_graph)  # remat.simulate(graph, plan) runs simulate_graph

@@ -1,0 +1,219 @@
+"""The whole training step's peak: :class:`StepCosts` and :func:`step_peak`, the one model of
+the step that the chain path (:func:`remat.auto.total_peak_bytes`), the graph path
+(:func:`remat.graphs.simulate_step_peak`) and :func:`remat.fit` share.
+
+A simulator (:func:`remat.simulate`, :func:`remat.graphs.simulate_graph`) gives the plan's
+activation timeline; this module adds what lives beside the activations:
+
+* ``persistent_bytes``: parameters, buffers and optimizer state, live all step;
+* the parameter gradients, as the backward makes them (``grad_bytes[i]`` from the first
+  backward of stage/node ``i`` on; during that backward ``grad_rise_bytes[i]`` of them), or,
+  when ``.grad`` already holds them all (``grads_live``: the second microbatch on, a step
+  without an optimizer), all of them plus the new gradient of the stage being back-propagated;
+* ``output_held_bytes``: **the model output the user's loop keeps**. The loop of PyTorch's own
+  examples, ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``, holds ``out``
+  through the backward and the optimizer step, and across iterations until the next forward
+  returns; so it is counted over the whole step. A loop that keeps only the loss
+  (``loss = crit(model(x), y)``, ``loss = model(**batch).loss``, ``loss_fn(model, batch)``)
+  holds nothing: 0;
+* the optimizer step, the step's last phase: persistent state, every gradient, the batch
+  (``input_bytes``), the held output and ``optimizer_step_bytes`` of the step's temporaries.
+
+Pure Python: no torch (the layer rule of /work/shared/architecture.md).
+
+Example:
+    >>> costs = StepCosts(persistent_bytes=100, grad_bytes=(10, 20), output_held_bytes=5)
+    >>> timeline = [StepEvent(False, 0, 40, 30), StepEvent(False, 1, 60, 50),
+    ...             StepEvent(True, 1, 70, 40), StepEvent(True, 0, 45, 0)]
+    >>> step_peak(timeline, costs)      # 100 + 5 + 20 (B of stage 1 makes its grads) + 70
+    195
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "LOOPS",
+    "StepCosts",
+    "StepEvent",
+    "step_peak",
+    "segment_state_bytes",
+    "output_held_bytes",
+    "check_loop",
+]
+
+LOOPS: dict[str, str] = {
+    "output-held": (
+        "the model's output held to the end of the step "
+        "(out = model(x); loss = crit(out, y); loss.backward(); opt.step())"
+    ),
+    "loss-only": (
+        "only the loss held; the output is freed once the loss is computed "
+        "(loss = crit(model(x), y) / model(**batch).loss / loss_fn(model, batch))"
+    ),
+}
+"""The training loops a whole-step budget can be made for (``loop=`` of :func:`remat.auto`)."""
+
+
+def check_loop(loop: str) -> str:
+    """``loop`` if it is one of :data:`LOOPS`, else a ValueError that names them."""
+    if loop not in LOOPS:
+        shown = "; ".join(f"{k!r}: {v}" for k, v in LOOPS.items())
+        raise ValueError(f"loop must be one of {sorted(LOOPS)}, got {loop!r} ({shown})")
+    return loop
+
+
+def output_held_bytes(loop: str, model_output_bytes: int, criterion_bytes: int = 0) -> int:
+    """Bytes of the model's output that ``loop`` keeps alive beside the step's activations.
+
+    ``criterion_bytes``: where remat planned with its default loss (a sum) while the loop
+    applies its own criterion to the held output, what that criterion saves for its backward
+    (cross-entropy's log-softmax: the size of the largest output tensor, the logits), which the
+    captured sum does not have; 0 where the captured loss is the loop's own."""
+    if check_loop(loop) != "output-held":
+        return 0
+    return model_output_bytes + criterion_bytes
+
+
+class StepEvent(NamedTuple):
+    """One operation of a simulated timeline, as the whole-step model reads it."""
+
+    backward: bool
+    """True for the backward of ``index``."""
+    index: int
+    """The stage (0-based) or graph node the operation runs."""
+    peak_bytes: int
+    """Highest activation-side bytes during the operation."""
+    live_bytes: int
+    """Activation-side bytes right after it."""
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the whole step holds beside the plan's activations (module docstring)."""
+
+    persistent_bytes: int
+    """Parameters, buffers and optimizer state (no gradients; the batch only where the
+    simulator does not count it as its input)."""
+    grad_bytes: tuple[int, ...]
+    """Per stage (0-based) or graph node, the parameter-gradient bytes its first backward
+    makes."""
+    grad_rise_bytes: tuple[int, ...] = ()
+    """Per stage, how much those gradients raise that backward's peak (empty: all of them)."""
+    optimizer_step_bytes: int = 0
+    """Temporaries of one optimizer step (:func:`remat.measure.profile.optimizer_costs`)."""
+    output_held_bytes: int = 0
+    """The model output the user's training loop keeps through the step
+    (:func:`output_held_bytes`)."""
+    input_bytes: int = 0
+    """The batch as the simulator counts it (live at the optimizer step too)."""
+    grads_live: bool = False
+    """True when every parameter gradient is live from the step's start (accumulation)."""
+    slack_bytes: int = 0
+    """Allocator-only bytes a real capture leaves out (the wrapped scalars of Python numbers
+    below :data:`remat.measure.events.SCRATCH_MIN_BYTES` per operation: a few dozen bytes live at a
+    loss's backward); counted all step so that a budget equal to a prediction holds."""
+    checkpoint_state_bytes: int = 0
+    """What the executor keeps per checkpointed segment until its backward (the RNG states
+    saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
+    side and passed in as a number; :func:`remat.planning.step_peak_of` counts it for every
+    checkpointed segment of a plan."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grad_bytes", tuple(int(b) for b in self.grad_bytes))
+        object.__setattr__(self, "grad_rise_bytes", tuple(int(b) for b in self.grad_rise_bytes))
+        if self.grad_rise_bytes and len(self.grad_rise_bytes) != len(self.grad_bytes):
+            raise ValueError(
+                f"grad_rise_bytes has {len(self.grad_rise_bytes)} entries, grad_bytes "
+                f"{len(self.grad_bytes)}"
+            )
+        if self.checkpoint_state_bytes < 0:
+            raise ValueError(
+                f"checkpoint_state_bytes must be >= 0, got {self.checkpoint_state_bytes}"
+            )
+        if self.output_held_bytes < 0:
+            raise ValueError(f"output_held_bytes must be >= 0, got {self.output_held_bytes}")
+
+    @property
+    def held_bytes(self) -> int:
+        """Live all step whatever the plan: persistent state, the held output and the slack."""
+        return self.persistent_bytes + self.output_held_bytes + self.slack_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What no plan changes at the end of the backward: held bytes and every gradient."""
+        return self.held_bytes + sum(self.grad_bytes)
+
+    @property
+    def optimizer_phase_bytes(self) -> int:
+        """The optimizer step: every gradient, the batch, the held output, its temporaries."""
+        return self.fixed_bytes + self.input_bytes + self.optimizer_step_bytes
+
+
+def step_peak(
+    timeline: Iterable[StepEvent], costs: StepCosts, checkpoint_bytes: int | Sequence[int] = 0
+) -> int:
+    """The whole step's peak: :attr:`StepCosts.held_bytes` + ``checkpoint_bytes`` (what the
+    executor keeps per checkpointed segment, the plan's RNG states: one number for the whole
+    step, or one per event of ``timeline``, :func:`segment_state_bytes`) + the parameter
+    gradients made so far + the timeline's bytes, maximised over the timeline, and the
+    optimizer step (:attr:`StepCosts.optimizer_phase_bytes`)."""
+    timeline = list(timeline)
+    if isinstance(checkpoint_bytes, int):
+        states = [checkpoint_bytes] * len(timeline)
+    else:
+        states = list(checkpoint_bytes)
+        if len(states) != len(timeline):
+            raise ValueError(f"{len(states)} checkpoint-state entries for {len(timeline)} events")
+    timeline = [
+        e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
+        for e, b in zip(timeline, states, strict=True)
+    ]
+    grads_of = costs.grad_bytes
+    rise = costs.grad_rise_bytes or grads_of
+    held = costs.held_bytes
+    peak = 0
+    if costs.grads_live:
+        # NOTE [ Gradients that accumulate ]: .grad already holds every gradient; a stage's
+        # backward still makes its new gradients as temporaries before adding them in place
+        top = max(
+            (e.peak_bytes + (grads_of[e.index] if e.backward else 0) for e in timeline), default=0
+        )
+        peak = held + sum(grads_of) + top
+    else:
+        made = [False] * len(grads_of)
+        grads = 0
+        for e in timeline:
+            if e.backward and not made[e.index]:
+                made[e.index] = True
+                peak = max(peak, held + grads + rise[e.index] + e.peak_bytes)
+                grads += grads_of[e.index]
+                peak = max(peak, held + grads + e.live_bytes)
+                continue
+            peak = max(peak, held + grads + e.peak_bytes)
+    return max(peak, costs.optimizer_phase_bytes)
+
+
+def segment_state_bytes(
+    timeline: Sequence[StepEvent], segments: Sequence[tuple[int, int]], state_bytes: int
+) -> list[int]:
+    """Per event of a chain's ``timeline``, the bytes of checkpoint state live during it: a
+    checkpointed top-level segment starting at stage ``start`` (0-based) with ``count``
+    checkpointed segments in its subtree (``segments``: ``(start, count)`` pairs) keeps
+    ``count * state_bytes`` (the RNG state each checkpoint saves) from its forward to the end
+    of its stage's backward, when autograd frees the checkpoint with the segment's nodes."""
+    weight = dict(segments)
+    live = 0
+    started: set[int] = set()  # once: a segment's recomputation runs its first stage again
+    out = []
+    for e in timeline:
+        if not e.backward and e.index in weight and e.index not in started:
+            started.add(e.index)
+            live += weight[e.index] * state_bytes
+        out.append(live)
+        if e.backward and e.index in weight:
+            live -= weight[e.index] * state_bytes
+    return out

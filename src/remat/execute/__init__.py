@@ -1,0 +1,1 @@
+"""Torch side: executors that carry out a plan (they never make one)."""

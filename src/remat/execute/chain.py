@@ -1,0 +1,684 @@
+"""Apply a chain :class:`~remat.core.plan.Plan` to a real PyTorch model: :func:`apply`.
+
+The model is cut into stages (:mod:`remat.capture.stages`); the plan's segment tree becomes nested
+**non-reentrant** ``torch.utils.checkpoint`` calls:
+
+* a stored segment runs its stages plainly (autograd keeps what their backward needs);
+* a checkpointed segment is ``checkpoint(run_children, *input_tensors)`` where
+  ``run_children`` runs the segment's sub-plan (its ``children``), which may hold further
+  checkpointed segments: nesting depth = plan depth.
+
+This executes exactly what :func:`remat.simulate` assumes (forward counts are tested equal),
+because torch's nested checkpoint recomputes a segment by re-running its function, in which the
+inner checkpoints are respected again (NOTE [ Nestable Checkpoint ], Rule 3). With torch's *early
+stop* (on by default) a recomputation ends once the tensors its backward needs exist, so the
+executor runs at most what :func:`remat.simulate` counts (an upper bound of time and memory);
+``early_stop=False`` runs exactly that (see ``docs/executor.md``).
+
+Gradients equal the unplanned model's: random number generator state is restored for every
+recomputation (dropout masks are identical), autocast state is re-entered by torch, and
+batch-norm running statistics are updated once per step (recomputations update throw-away
+copies of the statistics). In eval mode or under ``torch.no_grad()`` the model runs plainly with
+no checkpoint machinery at all.
+
+Example:
+    >>> import torch, remat
+    >>> from torch import nn
+    >>> model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    >>> planned = remat.apply(model, remat.Plan.from_checkpoints(6, [2, 4]))
+    >>> planned(torch.randn(4, 8)).sum().backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as _torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
+from remat.core.plan import Plan, PlanError, Segment
+from remat.guards import (
+    InPlaceInputError,
+    _versions,
+    check_no_own_checkpointing,
+    check_not_wrapped,
+    in_place_input_error,
+)
+from remat.measure.profile import loss_from_output
+
+__all__ = [
+    "apply",
+    "PlannedModule",
+    "SignatureMismatchError",
+    "InPlaceInputError",
+    "SignaturePlans",
+    "input_signature",
+    "call_loss",
+]
+
+
+class SignatureMismatchError(ValueError):
+    """The model was called with inputs of other shapes/dtypes than the plan was made for."""
+
+
+# The checkpoint function the executor calls (a module attribute so tests can count calls).
+checkpoint = _torch_checkpoint.checkpoint
+
+
+# ---------------------------------------------------------------------- input signatures
+def input_signature(*args: Any, **kwargs: Any) -> tuple:
+    """What a plan depends on in the inputs: tensor shapes and dtypes, and the structure.
+
+    Non-tensor leaves (flags, ``None``) are part of the signature by type and, for plain
+    scalars and strings, by value.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    sig: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            sig.append(("value", leaf))
+        else:
+            sig.append(("object", type(leaf).__qualname__))
+    return (str(spec), tuple(sig))
+
+
+def _describe_signature(sig: tuple) -> str:
+    parts = []
+    for item in sig[1]:
+        if item[0] == "tensor":
+            parts.append(f"{list(item[1])} {item[2].replace('torch.', '')}")
+        elif item[0] == "value":
+            parts.append(repr(item[1]))
+        else:
+            parts.append(item[1])
+    return "(" + ", ".join(parts) + ")"
+
+
+def _example_args(example: Any) -> tuple[tuple, dict]:
+    if (
+        isinstance(example, tuple)
+        and len(example) == 2
+        and isinstance(example[0], tuple)
+        and isinstance(example[1], Mapping)
+    ):
+        return example[0], dict(example[1])
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    raise TypeError(
+        "example must be the model's input: a tensor, a tuple of positional arguments, a "
+        "dict of keyword arguments, or (args_tuple, kwargs_dict); got "
+        f"{type(example).__name__}"
+    )
+
+
+def call_loss(model: nn.Module, call: tuple[tuple, dict]) -> torch.Tensor:
+    """The loss remat plans a new input shape with: ``call`` is the model's call arguments
+    ``(args, kwargs)``; the loss is the output's ``.loss`` (a Hugging Face model given labels)
+    or its sum (:func:`remat.measure.profile.loss_from_output`). A planned module sees the model's
+    arguments only, not the batch a user's ``loss_fn`` takes."""
+
+    args, kwargs = call
+    return loss_from_output(model(*args, **kwargs))
+
+
+class SignaturePlans:
+    """What a planned module runs for each input signature: the one place (chain and graph
+    executors) where a training call with new input shapes is re-planned or refused.
+
+    ``current`` is what runs for ``signature`` (None: the first training call's signature is
+    adopted). For another signature, ``replan(*args, **kwargs)`` (the model's call arguments)
+    makes a plan and ``build(plan, args, kwargs)`` what runs it; results are cached per
+    signature. Without ``replan`` a new signature raises :class:`SignatureMismatchError`
+    saying ``what_to_do``.
+    """
+
+    def __init__(
+        self,
+        current: Any,
+        signature: tuple | None,
+        replan: Callable[..., Any] | None,
+        build: Callable[[Any, tuple, dict], Any],
+        what_to_do: str,
+    ) -> None:
+        self.current = current
+        self.signature = signature
+        self.replan = replan
+        self.build = build
+        self.what_to_do = what_to_do
+        self.cache: dict[tuple, Any] = {}
+        if signature is not None:
+            self.cache[signature] = current
+
+    def set(self, signature: tuple | None, current: Any) -> None:
+        self.current, self.signature = current, signature
+        if signature is not None:
+            self.cache[signature] = current
+
+    def lookup(self, args: tuple, kwargs: dict) -> Any:
+        """What runs a training call with these arguments (re-planned on a new signature)."""
+        sig = input_signature(*args, **kwargs)
+        if self.signature is None:
+            self.set(sig, self.current)
+        elif sig != self.signature:
+            cached = self.cache.get(sig)
+            if cached is not None:
+                self.current, self.signature = cached, sig
+            elif self.replan is None:
+                raise SignatureMismatchError(
+                    "this plan was made for inputs "
+                    f"{_describe_signature(self.signature)} but the model was called with "
+                    f"{_describe_signature(sig)}; memory and time of a plan depend on the batch "
+                    f"shape, so remat does not run it on other sizes. {self.what_to_do}"
+                )
+            else:
+                self.set(sig, self.build(self.replan(*args, **kwargs), args, kwargs))
+        return self.current
+
+
+# ---------------------------------------------------------------------- batch norm
+def _running_stat_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Norm modules (BatchNorm, InstanceNorm with tracking) that update running statistics."""
+    found: dict[int, nn.Module] = {}
+    for root in modules:
+        for m in root.modules():
+            if (
+                isinstance(m, nn.modules.batchnorm._NormBase)
+                and m.track_running_stats
+                and m.running_mean is not None
+            ):
+                found[id(m)] = m
+    return list(found.values())
+
+
+class _FrozenRunningStats:
+    """During a recomputation: batch norm updates throw-away copies of its running statistics.
+
+    The train-mode output uses batch statistics, so it is unchanged; the real ``running_mean``,
+    ``running_var`` and ``num_batches_tracked`` are updated only by the first forward. Copies
+    (not ``track_running_stats=False``) keep the recomputation's saved tensors identical to the
+    forward's: batch norm's backward node saves the running statistics as well.
+
+    A class, not a ``@contextmanager`` generator: torch enters a checkpoint's recompute context
+    once per recomputation, and a segment is recomputed again by every backward that needs it
+    (``backward(retain_graph=True)`` twice, or the second backward of ``create_graph=True``).
+    A generator context can be entered only once; this one any number of times.
+    """
+
+    def __init__(self, norms: Sequence[nn.Module]) -> None:
+        self.norms = norms
+        self._entries: list[list[tuple[nn.Module, Any, Any, Any]]] = []
+
+    def __enter__(self) -> None:
+        saved = []
+        for m in self.norms:
+            if m.training:
+                saved.append((m, m.running_mean, m.running_var, m.num_batches_tracked))
+                m.running_mean = m.running_mean.clone()
+                m.running_var = m.running_var.clone()
+                if m.num_batches_tracked is not None:
+                    m.num_batches_tracked = m.num_batches_tracked.clone()
+        self._entries.append(saved)
+
+    def __exit__(self, *exc: object) -> None:
+        for m, mean, var, count in self._entries.pop():
+            m.running_mean, m.running_var, m.num_batches_tracked = mean, var, count
+
+
+# ---------------------------------------------------------------------- the executor
+class _Executor:
+    """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints.
+
+    With ``compile_options`` (``torch.compile``'s keyword arguments), :meth:`step` runs the
+    whole forward (``prepare``, the segments, ``finish``) as one ``torch.compile`` graph (see
+    NOTE [ Compiled plans ])."""
+
+    def __init__(
+        self,
+        stages: Stages,
+        plan: Plan,
+        early_stop: bool,
+        compile_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.stages = stages
+        self.plan = plan
+        self.early_stop = early_stop
+        self._norms: dict[tuple[int, int], list[nn.Module]] = {}
+        for seg in plan.walk():
+            if seg.checkpoint:
+                mods = stages.modules[seg.start - 1 : seg.stop]
+                self._norms[(seg.start, seg.stop)] = _running_stat_modules(mods)
+        self.compiled: Callable[..., Any] | None = None
+        self._compiled_once = False
+        if compile_options is not None:
+            nested = [
+                seg
+                for seg in plan.walk()
+                if seg.checkpoint and any(c.checkpoint for c in _descendants(seg))
+            ]
+            if nested:
+                raise PlanError(
+                    f"{NESTED_UNDER_COMPILE} (segment {nested[0].start}-{nested[0].stop}); "
+                    "plan with a flat planner (remat.auto(compile=True) uses 'hong-dp'), or "
+                    "run this plan without compile"
+                )
+            # one compiled function per plan: a new input signature gets its own plan and so
+            # its own graph (static shapes: the plan was made for these shapes only)
+            options = {"dynamic": False, **compile_options}
+            self.compiled = torch.compile(self._traced_step, **options)
+
+    def run(self, a: Any) -> Any:
+        return self._run_segments(self.plan.segments, a)
+
+    def _run_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+        modules = self.stages.modules
+        for seg in segments:
+            if seg.checkpoint:
+                a = self._checkpointed(seg, a)
+            else:
+                for i in seg.stages():
+                    a = modules[i - 1](a)
+        return a
+
+    def _checkpointed(self, seg: Segment, a: Any) -> Any:
+        # Tensors go to checkpoint as positional arguments: torch saves only those through
+        # saved-tensor hooks (so an enclosing checkpoint recomputes them, Rule 2); tensors
+        # nested in a tuple argument would be held by reference instead. For the same reason
+        # the function checkpointed must not capture any tensor of ``a``: the checkpoint keeps
+        # it until its backward, and an inner checkpoint's input would never be freed.
+        if isinstance(a, torch.Tensor):  # the common case: no flattening
+            tensors: list[torch.Tensor] = [a]
+            run_children = _segment_runner(self, seg.children, None, None, None)
+        else:
+            # (a plain loop, no comprehension over ``leaves``: a name a nested scope reads
+            # becomes a cell, and ``del`` of a cell is a graph break under torch.compile)
+            leaves, spec = tree_flatten(a)
+            positions: list[int] = []
+            tensors = []
+            template: list[Any] = []
+            for k, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    positions.append(k)
+                    tensors.append(leaf)
+                    template.append(None)
+                else:
+                    template.append(leaf)
+            del leaves
+            run_children = _segment_runner(self, seg.children, positions, template, spec)
+        del a
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if not self.early_stop:
+            options["early_stop"] = False
+        norms = self._norms[(seg.start, seg.stop)]
+        if norms and not torch.compiler.is_compiling():
+            # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
+
+            def context_fn() -> tuple[Any, Any]:
+                return contextlib.nullcontext(), _FrozenRunningStats(norms)
+
+            options["context_fn"] = context_fn
+        if torch.compiler.is_compiling():
+            # (AOTAutograd functionalizes in-place ops: the recomputation reads the values the
+            # forward read; and comparing versions would be a graph break)
+            return checkpoint(run_children, *tensors, **options)
+        versions = _versions(tensors)
+        out = checkpoint(run_children, *tensors, **options)
+        if _versions(tensors) != versions:  # the recomputation would start from other values
+            raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
+        return out
+
+    # NOTE [ Compiled plans ]: under torch.compile, dynamo traces each non-reentrant
+    # ``checkpoint`` as the ``tag_activation_checkpoint`` higher-order op; AOTAutograd tags the
+    # ops inside as recomputed, and the min-cut partitioner saves only the segment's inputs for
+    # the backward and recomputes the rest there (nested segments are recomputed inside their
+    # parent's recomputation). Outside checkpointed segments the partitioner is free as in any
+    # compiled model (it may recompute cheap pointwise ops instead of saving them). The traced
+    # code below is the executor without the eager memory hygiene (``del``, versions, batch
+    # norm copies): in one graph, the compiler frees each tensor after its last use and
+    # functionalises buffer updates (applied once per step).
+    def _traced_step(self, args: tuple, kwargs: dict) -> Any:
+        stages = self.stages
+        a = self._traced_segments(self.plan.segments, stages.prepare(*args, **kwargs))
+        return stages.finish(a, *args, **kwargs)
+
+    def _traced_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+        modules = self.stages.modules
+        for seg in segments:
+            if not seg.checkpoint:
+                for i in seg.stages():
+                    a = modules[i - 1](a)
+                continue
+            leaves, spec = tree_flatten(a)
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+            def run_children(
+                *ts: torch.Tensor,
+                children: Any = seg.children,
+                leaves: Any = leaves,
+                spec: Any = spec,
+            ) -> Any:
+                it = iter(ts)
+                rebuilt = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+                return self._traced_segments(children, tree_unflatten(rebuilt, spec))
+
+            a = checkpoint(run_children, *tensors, use_reentrant=False)
+        return a
+
+    def step(self, args: tuple, kwargs: dict) -> Any:
+        """A compiled training forward (``compiled`` must be set). The first call compiles;
+        graph breaks there are warned about once (what they split runs eagerly)."""
+        assert self.compiled is not None
+        # A segment's Python side effects happen once, in the forward (remat's eager executor
+        # keeps batch-norm updates out of recomputations too); without this, a balanced one
+        # such as transformers' mask code entering a TorchFunctionMode breaks the graph at
+        # the checkpoint and dynamo runs the whole executor loop eagerly.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            if self._compiled_once:
+                return self.compiled(args, kwargs)
+            from torch._dynamo.utils import counters
+
+            before = dict(counters["graph_break"])
+            out = self.compiled(args, kwargs)
+        self._compiled_once = True
+        breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
+        breaks = {k: v for k, v in breaks.items() if v > 0}
+        if breaks:
+            warnings.warn(
+                f"compile=True: torch.compile split the planned forward at {sum(breaks.values())}"
+                f" graph break(s) ({'; '.join(str(k).splitlines()[0] for k in breaks)}); "
+                "code around a break runs eagerly (a checkpointed segment that holds one is "
+                "an eager checkpoint: still recomputed, not fused)",
+                stacklevel=3,
+            )
+        return out
+
+
+def _segment_runner(
+    executor: _Executor,
+    children: Sequence[Segment],
+    positions: list[int] | None,
+    template: list[Any] | None,
+    spec: Any,
+) -> Callable[..., Any]:
+    """What a checkpointed segment runs: its children, from the segment's input tensors (and,
+    for a structured activation, the non-tensor leaves and tree structure: never a tensor).
+    A function of its own so that the checkpointing frame has no closure cells (``del`` of a
+    cell is a graph break under torch.compile)."""
+    if positions is None:
+
+        def run_one(t: torch.Tensor) -> Any:
+            return executor._run_segments(children, t)
+
+        return run_one
+
+    def run_children(*ts: torch.Tensor) -> Any:
+        rebuilt = list(template or ())
+        for k, t in zip(positions, ts, strict=True):
+            rebuilt[k] = t
+        return executor._run_segments(children, tree_unflatten(rebuilt, spec))
+
+    return run_children
+
+
+def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a remat.Plan, got {type(plan).__name__}")
+    n = stages.n
+    if plan.rule is None and plan.n != n:
+        raise PlanError(
+            f"the plan covers {plan.n} stages but the model has {n} stages "
+            f"({stages.describe()}); make the plan for this model's chain (same stages), e.g. "
+            "with remat.capture_chain on the same model"
+        )
+    if plan.stages_fingerprint and plan.stages_fingerprint != stages.fingerprint:
+        raise PlanError(
+            f"this plan was made for a model with other stages (structure fingerprint "
+            f"{plan.stages_fingerprint}: module types and parameter shapes of its {plan.n} "
+            f"stages), this model's stages are {stages.describe()} (fingerprint "
+            f"{stages.fingerprint}); make a plan for this model with "
+            "remat.capture_chain(model, batch) and remat.plan (or remat.auto)"
+        )
+    return plan.for_chain(n)
+
+
+class PlannedModule(nn.Module):
+    """A model that trains under a remat plan; made by :func:`apply`.
+
+    It shares the original model's parameters and buffers: the model is its submodule
+    ``.model``, so ``state_dict()`` keys are the model's prefixed with ``"model."`` (like any
+    wrapper); ``planned.model.state_dict()`` has the original keys. Calling it equals calling
+    the model; the plan is used only in training mode with grad enabled. Each call first
+    checks that the model still holds the submodules its stages run (see :meth:`_follow_model`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        stages: Stages,
+        signature: tuple | None = None,
+        replan: Callable[..., Plan] | None = None,
+        early_stop: bool = True,
+        compile: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        # Stage modules are the model's own modules (or parameter-less wrappers around them):
+        # kept out of the module tree so that parameters and state_dict are the model's only.
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_early_stop", early_stop)
+        object.__setattr__(self, "_compile", compile)
+        object.__setattr__(self, "_watch", StageWatch(model, stages))
+        executor = _Executor(stages, _resolve_plan(plan, stages), early_stop, compile)
+        plans = SignaturePlans(
+            executor,
+            signature,
+            replan,
+            self._build,
+            "Make a plan for these inputs and call remat.apply again, or pass replan=callable "
+            "(called with the new inputs, returning a Plan) to remat.apply.",
+        )
+        object.__setattr__(self, "_plans", plans)
+
+    # -------------------------------------------------------------- public state
+    @property
+    def stages(self) -> Stages:
+        return self._stages
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (for the last training input signature)."""
+        return self._plans.current.plan
+
+    @property
+    def signature(self) -> tuple | None:
+        """Input signature the current plan was made for (None: not known yet)."""
+        return self._plans.signature
+
+    @property
+    def _executor(self) -> _Executor:
+        return self._plans.current
+
+    def _build(self, plan: Plan, args: tuple, kwargs: dict) -> _Executor:
+        return _Executor(
+            self._stages, _resolve_plan(plan, self._stages), self._early_stop, self._compile
+        )
+
+    def train(self, mode: bool = True) -> PlannedModule:
+        super().train(mode)
+        for m in self._stages.modules:
+            m.train(mode)
+        return self
+
+    # -------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # (dynamo guards on the modules it traced)
+            self._follow_model()
+        stages = self._stages
+        if stages.check is not None:
+            stages.check(*args, **kwargs)
+        if not (self.training and torch.is_grad_enabled()):
+            return _run_plain(stages, args, kwargs)
+        executor = self._executor_for(args, kwargs)
+        if executor.compiled is not None:
+            return executor.step(args, kwargs)
+        a0 = stages.prepare(*args, **kwargs)
+        return stages.finish(executor.run(a0), *args, **kwargs)
+
+    def _follow_model(self) -> None:
+        """Stages that hold a submodule the model no longer has (``model.fc = ...`` after
+        :func:`apply`) are cut again, and the plans re-checked for them (a plan with a stages
+        fingerprint needs the same structure); else :class:`PlanError` says to plan again."""
+        what = self._watch.changed()
+        if what is None:
+            return
+        again = "plan again for the changed model (remat.auto, or remat.apply with a new plan)"
+        if self._stages.split_again is None:
+            raise PlanError(
+                f"the model's submodule {what} changed after remat.apply, and these hand-made "
+                f"stages still run the old one; {again} with stages for it"
+            )
+        new = self._stages.split_again()
+        rebuilt: dict[int, _Executor] = {}
+
+        def rebuild(old: _Executor) -> _Executor:
+            if id(old) not in rebuilt:
+                rebuilt[id(old)] = _Executor(
+                    new, _resolve_plan(old.plan, new), self._early_stop, self._compile
+                )
+            return rebuilt[id(old)]
+
+        plans = self._plans
+        try:
+            current = rebuild(plans.current)
+            cache = {sig: rebuild(old) for sig, old in plans.cache.items()}
+        except PlanError as err:
+            raise PlanError(
+                f"the model's submodule {what} changed after remat.apply, and the plan does not "
+                f"fit the model's new stages: {err}; {again}"
+            ) from None
+        object.__setattr__(self, "_stages", new)
+        object.__setattr__(self, "_watch", StageWatch(self.model, new))
+        plans.cache = cache
+        plans.current = current
+
+    def _executor_for(self, args: tuple, kwargs: dict) -> _Executor:
+        return self._plans.lookup(args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or name == "model":
+                raise
+            return getattr(self._modules["model"], name)
+
+    def extra_repr(self) -> str:
+        plan = self.plan
+        return (
+            f"plan={plan.method}: {plan.describe()!r}, stages={self._stages.n} "
+            f"({self._stages.kind})"
+        )
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    stages: Stages | Sequence[str] | None = None,
+    example: Any = None,
+    *,
+    replan: Callable[..., Plan] | None = None,
+    early_stop: bool = True,
+    compile: bool | Mapping[str, Any] = False,
+) -> PlannedModule:
+    """Wrap ``model`` so that its training steps run under ``plan``.
+
+    Args:
+        model: the model; its parameters and buffers are shared, not copied.
+        plan: a :class:`~remat.core.plan.Plan` for this model's chain (``plan.n`` = number of
+            stages; a plan that records the structure of the stages it was made for,
+            ``Plan.stages_fingerprint``, must match this model's: :class:`PlanError`
+            otherwise) or a rule plan (``Plan.none()``, ``Plan.every_stage()``). A submodule
+            of the model replaced later is followed (the model is cut again, the plan
+            re-checked; :class:`PlanError` if it no longer fits).
+        stages: how the model is cut: ``None`` (automatic, :func:`remat.capture.stages.split_stages`),
+            a list of submodule names, or a :class:`~remat.capture.stages.Stages`.
+        example: the input the plan was made for (a tensor, a tuple of positional arguments,
+            a dict of keyword arguments, or ``(args_tuple, kwargs_dict)``). Its shapes/dtypes are recorded; a training call
+            with other ones raises :class:`SignatureMismatchError` unless ``replan`` is given.
+            Without it, the first training call's inputs are recorded.
+        replan: ``replan(*args, **kwargs) -> Plan``, called for a new input signature; the
+            plans are cached per signature.
+        early_stop: let torch stop recomputations as soon as the saved tensors they need exist
+            (torch's default, on by default since issue #19): the executor then runs at most
+            what :func:`remat.simulate` counts, never more memory or time, and as fast as
+            torch's own checkpoint at the same plan (``benchmarks/executor_overhead.py``).
+            ``False`` runs exactly what the simulator predicts (forward counts equal; the
+            tests of the cost model use it).
+        compile: run each training forward (``prepare``, the stages, ``finish``) through
+            ``torch.compile`` (inductor, static shapes) as one graph in which the plan's
+            checkpointed segments are what is recomputed (NOTE [ Compiled plans ]); graph
+            breaks are warned about at the first call (code around one runs eagerly). Each
+            input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
+            run the eager model. A mapping instead of ``True`` is passed to ``torch.compile``
+            as keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": ...}``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, PlannedModule):
+        raise TypeError("this model already has a plan; apply it to planned.model instead")
+    check_not_wrapped(model, "remat.apply")  # DDP/FSDP go around the planned model, not inside
+    check_no_own_checkpointing(model)
+    if stages is None or not isinstance(stages, Stages):
+        stages = split_stages(model, stages)
+    signature = None
+    if example is not None:
+        args, kwargs = _example_args(example)
+        signature = input_signature(*args, **kwargs)
+    return PlannedModule(
+        model,
+        plan,
+        stages,
+        signature,
+        replan=replan,
+        early_stop=early_stop,
+        compile=compile_options(compile),
+    )
+
+
+def _descendants(seg: Segment) -> Iterator[Segment]:
+    for child in seg.children:
+        yield child
+        yield from _descendants(child)
+
+
+NESTED_UNDER_COMPILE = (
+    "a compiled plan cannot nest checkpointed segments: torch.compile's partitioner keeps every "
+    "activation inside the outer segment (measured on a 12-layer MLP: 14.4 activations "
+    "compiled against 9.4 eager, as many as without the nested segments)"
+)
+
+
+def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``torch.compile``'s keyword arguments for ``compile=`` (None: not compiled)."""
+    if compile is True:
+        return {}
+    if compile is False or compile is None:
+        return None
+    if isinstance(compile, Mapping):
+        return dict(compile)
+    raise TypeError(
+        "compile must be True, False or a mapping of torch.compile keyword arguments, got "
+        f"{type(compile).__name__}"
+    )

@@ -1,0 +1,1 @@
+"""Torch side: exact bytes (allocator events, profiles) and time models."""
