@@ -665,9 +665,9 @@ def auto(
     ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
     graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
     a mapping is passed to ``torch.compile`` as keyword arguments. Under inductor (the default
-    backend) the plan is made on what the compiled stages save
-    (:func:`remat.capture.chain.capture`'s ``compile``) and the eager times and transients; under
-    another backend on the eager costs (chain path only: a model planned as a module graph
+    backend) the plan is made on what the compiled stages save and on their compiled forward
+    and backward times (:func:`remat.capture.chain.capture`'s ``compile``: each stage compiled
+    once), with the eager transients; under another backend on the eager costs (chain path only: a model planned as a module graph
     raises :class:`~remat.core.errors.UnsupportedModelError`).
     """
 
@@ -677,8 +677,9 @@ def auto(
     # one (measured: a nested plan kept every activation of its outer segment, 14.4 against
     # 9.4 eager), so a compiled plan is flat: hong-dp, the fastest flat plan that fits
     method = method or (FLAT_METHOD if options is not None else "optimal-time")
-    # what compiled stages save, measured under inductor only: the transients stay eager's,
-    # which inductor's fused kernels do not exceed but unfused AOT backends do (tested)
+    # what compiled stages save and their times, measured under inductor only: the transients
+    # stay eager's, which inductor's fused kernels do not exceed but unfused AOT backends do
+    # (tested)
     inductor = options is not None and options.get("backend", "inductor") == "inductor"
     compiled_costs = options if inductor else None
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards

@@ -11,8 +11,12 @@ interleaved with it, gradients compared with eager's):
   ``optimal-time`` under :func:`remat.auto.plan_for_total_budget`), M = every distinct measured
   peak of the compile points, plus budgets below the least of them (fractions of it and
   remat's own least feasible budget, ``least``);
-* ``remat-compiled@M``: the same plan, compiled (:func:`compiled_remat_setup`, the one place
-  that builds it).
+* ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M: a flat
+  plan (``hong-dp``) on the chain captured **compiled** (``remat.capture.chain.capture(compile=)``:
+  each stage compiled once, its saved bytes and forward/backward times measured compiled;
+  captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
+  compile=...)`` (:func:`compiled_remat_setup`, the one place that builds it). Budgets: the
+  same M, plus the compiled chain's own least (``least-compiled``).
 
 The **goal** per model (``goal`` in ``compile.json``): at every compile point a
 ``remat-compiled`` point with peak <= and time ratio <= it (``dominated``), and remat points
@@ -26,6 +30,8 @@ can go either way: ``margin`` says by how much each compile point was beaten or 
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,6 +48,7 @@ from remat.bench.suites import (
     load_workload,
     measure_setup,
 )
+from remat.capture.chain import capture
 from remat.core.units import format_bytes
 from remat.planners import BudgetTooSmallError
 
@@ -50,6 +57,7 @@ __all__ = [
     "NOTES",
     "COMPILE_BUDGETS",
     "compiled_remat_setup",
+    "compiled_workload",
     "goal",
     "suite",
     "write_report",
@@ -66,8 +74,9 @@ BELOW_FRACTIONS: tuple[float, ...] = ()  # the full run: remat's least only (CPU
 QUICK_BELOW_FRACTIONS = (0.8,)
 NOTES = (
     "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
-    "remat-eager@P / remat-compiled@P: remat's plan (optimal-time for a whole-step budget, as "
-    "remat.auto plans) at the measured peak of point P, run eagerly / under torch.compile. "
+    "remat-eager@P: remat's plan (optimal-time for a whole-step budget, as remat.auto plans) at "
+    "the measured peak of point P; remat-compiled@P: what remat.auto(compile=True) plans for it "
+    "(flat hong-dp on the stages' compiled saved bytes and times), run under torch.compile. "
     "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
     "median step time / median eager step time, interleaved in the same loop."
 )
@@ -79,19 +88,38 @@ def _options(name: str, quick: bool) -> dict[str, Any]:
     if quick:
         return {"mlp-chain": {"batch_size": 512, "layers": 6, "width": 128}}.get(name, {})
     return {
-        "mlp-chain": {"batch_size": 2048, "layers": 16, "width": 256},
+        "mlp-chain": {"batch_size": 1024, "layers": 16, "width": 256},
         # two layers: an inductor compilation of the 4-layer zoo model took 7.5 min on the
         # shared 2-core CPU, and a full run compiles each model about 9 times
         "gpt2": {"batch_size": 4, "seq_len": 128, "n_layer": 2},
         "llama-tiny": {"batch_size": 4, "seq_len": 128, "num_hidden_layers": 2},
-        "densenet121": {"batch_size": 4, "image_size": 32, "group": 2},
+        # 32x32 images (the stem and 3 transitions leave 1x1), 4 dense layers per stage: the
+        # compiled capture compiles each stage once
+        "densenet121": {"batch_size": 4, "image_size": 32, "group": 4},
     }.get(name, {})
 
 
+def compiled_workload(work: Workload) -> tuple[Workload, float]:
+    """``work`` with its chain captured as ``remat.auto(..., compile=True)`` captures it
+    (``capture(compile=...)``: what each compiled stage saves and its compiled times), and the
+    seconds that capture took."""
+    start = time.perf_counter()
+    captured = capture(work.model, work.batch, loss_fn=work.loss_fn, compile={"backend": BACKEND})
+    seconds = time.perf_counter() - start
+    compiled = dataclasses.replace(
+        work,
+        chain=captured.chain,
+        stages=captured.stages,
+        grad_rise_bytes=captured.grad_rise_bytes,
+    )
+    return compiled, seconds
+
+
 def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
-    """remat's plan for ``total_budget`` run with ``remat.apply(..., compile=...)``: a flat plan
-    (``hong-dp``, as ``remat.auto(compile=True)`` plans: the partitioner honours no nested
-    checkpoint) compiled as one graph whose checkpointed segments it recomputes."""
+    """What ``remat.auto(..., compile=True)`` plans for ``total_budget`` on ``work`` (a
+    :func:`compiled_workload`): a flat plan (``hong-dp``: the partitioner honours no nested
+    checkpoint) on the compiled costs, run with ``remat.apply(..., compile=...)`` as one graph
+    whose checkpointed segments the partitioner recomputes."""
     torch._dynamo.reset()  # a fresh compilation
     setup = remat_setup(work, FLAT_METHOD, total_budget, label, compile={"backend": BACKEND})
     setup.notes["backend"] = BACKEND
@@ -110,15 +138,15 @@ def _compile_point(work: Workload, knob: float, eager_grads: Any, repeats: int) 
     return row
 
 
-def _least_remat_budget(work: Workload) -> int | None:
-    """The least whole-step budget remat's optimal-time plans for (None: not known)."""
+def _least_remat_budget(work: Workload, method: str = "optimal-time") -> int | None:
+    """The least whole-step budget ``method`` plans for on ``work`` (None: not known)."""
 
     try:
         plan_for_total_budget(
             work.chain,
             work.fixed_bytes,
             0,
-            "optimal-time",
+            method,
             work.grad_bytes or None,
             work.grad_rise_bytes,
             work.optimizer_step_bytes,
@@ -177,10 +205,12 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
     rows: list[dict[str, Any]] = []
     budgets = QUICK_COMPILE_BUDGETS if quick else COMPILE_BUDGETS
     below = QUICK_BELOW_FRACTIONS if quick else BELOW_FRACTIONS
-    repeats = 3 if quick else 5
+    repeats = 3
     for name in models:
         progress(f"{name}: capture")
+        start = time.perf_counter()
         work = load_workload(name, **_options(name, quick))
+        eager_capture_seconds = time.perf_counter() - start
         eager_grads = _grads(work.model, work, nullcontext)
         measured = [
             measure_setup(Setup("eager", work.model, family="baseline"), work, eager_grads, repeats)
@@ -193,18 +223,26 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
             measured.append(row)
             _save_partial(rows + measured)
         torch._dynamo.reset()
+        progress(f"{name}: compiled capture")
+        cwork, capture_seconds = compiled_workload(work)
+        torch._dynamo.reset()
         targets: dict[int, str] = {}
         for row in measured[1:]:
             if "peak_bytes" in row:
                 targets.setdefault(row["peak_bytes"], row["method"].removeprefix("torch-"))
+        least = min(targets, default=None)  # torch.compile's least peak
         floor = _least_remat_budget(work)
-        if targets and floor is not None and floor < min(targets):
+        if least is not None and floor is not None and floor < least:
             # below torch.compile's least peak: fractions of it, and remat's own least
-            least = min(targets)
             for frac in below:
                 if int(least * frac) > floor:
                     targets.setdefault(int(least * frac), f"{frac:g}x-compile-min")
             targets.setdefault(floor, "least")
+        # the least of what auto(compile=True) plans (flat, compiled costs): above remat's
+        # eager least where a nested plan reaches lower
+        cfloor = _least_remat_budget(cwork, FLAT_METHOD)
+        if least is not None and cfloor is not None and cfloor < least:
+            targets.setdefault(cfloor, "least-compiled")
         seen: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, plan) -> its row
         for budget, label in sorted(targets.items(), reverse=True):
             for kind in ("eager", "compiled"):
@@ -213,7 +251,9 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
                 if kind == "eager":
                     setup = remat_setup(work, "optimal-time", budget, method)
                 else:
-                    setup = compiled_remat_setup(work, budget, method)
+                    setup = compiled_remat_setup(cwork, budget, method)
+                    setup.notes["compiled_capture_seconds"] = round(capture_seconds, 1)
+                    setup.notes["eager_capture_seconds"] = round(eager_capture_seconds, 1)
                 same = seen.get((kind, str(setup.notes.get("plan"))))
                 if setup.module is not None and same is not None:
                     # the same plan at a larger budget: its measurement (one compilation less)

@@ -170,10 +170,12 @@ def capture(
     gives the stages' times in seconds from the work counted under fake tensors.
 
     ``compile`` (``torch.compile`` keyword arguments; real tensors only): the plan will run
-    compiled (``remat.apply(..., compile=...)``), so each stage but the last (which holds the
-    loss) is also run compiled alone and its ``saved_bytes`` is what the compiled stage saves
-    (the partitioner recomputes some pointwise ops instead of saving them: a GPT-2 block saves
-    about half of eager's); times and overheads stay the eager measurements."""
+    compiled (``remat.apply(..., compile=...)``), so each stage is also compiled alone (once)
+    and timed compiled after warm-up: its forward and backward times are the compiled ones,
+    and, for each stage but the last (which holds the loss), its ``saved_bytes`` is what the
+    compiled stage saves (the partitioner recomputes some pointwise ops instead of saving
+    them: a GPT-2 block saves about half of eager's); the transients (overheads) stay the
+    eager measurements."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if time_model is not None and not fake:
@@ -213,8 +215,10 @@ def _capture(
                     model, split, private.batch, loss_fn, False, repeats, progress
                 )
                 if compile is not None:
-                    saved = _compiled_saved_bytes(model, split, private.batch, loss_fn, compile)
-                    chain = _with_saved_bytes(chain, saved)
+                    compiled = _compiled_costs(
+                        model, split, private.batch, loss_fn, compile, repeats
+                    )
+                    chain = _with_compiled_costs(chain, compiled)
         finally:
             buffers.restore()
             for p, g in grads.items():
@@ -223,22 +227,53 @@ def _capture(
 
 
 # ---------------------------------------------------------------------- implementation
-def _compiled_saved_bytes(
-    model: nn.Module, split: Stages, batch: Any, loss_fn: LossFn, options: Mapping[str, Any]
-) -> list[int | None]:
-    """Per stage, the bytes it saves for backward when compiled alone (``torch.compile`` with
-    ``options``, static shapes), counted as :func:`measure_stage` counts ``saved_bytes``
-    (unique storages, no parameters, buffers, batch or input; the output included); None for
-    the last stage (its loss runs outside the stages). Only forwards run (no backward): the
-    caller restores buffers and the RNG."""
+@dataclass(frozen=True)
+class CompiledStage:
+    """What one stage costs compiled alone (:func:`_compiled_costs`)."""
+
+    saved_bytes: int | None
+    """Bytes it saves for backward (None: the eager count is kept, the last stage)."""
+    fwd_time: float
+    """Median forward seconds after warm-up."""
+    bwd_time: float
+    """Median backward seconds after warm-up."""
+
+
+def _compiled_costs(
+    model: nn.Module,
+    split: Stages,
+    batch: Any,
+    loss_fn: LossFn,
+    options: Mapping[str, Any],
+    repeats: int,
+) -> list[CompiledStage]:
+    """Per stage, what it saves for backward and its forward and backward times when compiled
+    alone (``torch.compile`` with ``options``, static shapes; each stage compiled once).
+
+    Saved bytes are counted as :func:`measure_stage` counts ``saved_bytes`` (unique storages,
+    no parameters, buffers, batch or input; the output included), on the first (compiling)
+    forward; None for the last stage (its loss runs outside the stages). The first backward
+    compiles the backward; one more untimed step warms up, then ``repeats`` forward/backward
+    pairs are timed (median). The last stage is its module compiled, with ``finish`` and the
+    loss eager as in the planned step. The caller restores buffers, gradients and the RNG."""
     args, kwargs = _model_arguments(model, loss_fn, batch)
     x = split.prepare(*args, **kwargs)
     skip = _keys([*model.parameters(), *model.buffers()])
     skip.update(_keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(x)]))
-    result: list[int | None] = []
-    for module in split.modules[:-1]:
+    params = list(model.parameters())
+    device = next((t.device for t in params), None)
+    result: list[CompiledStage] = []
+    n = split.n
+    for i, module in enumerate(split.modules):
+        last = i == n - 1
+        compiled = torch.compile(module, **{"dynamic": False, **options})
+        run: Callable[[Any], Any] = compiled
+        if last:
+            run = _last_stage_runner(model, split, compiled, loss_fn, batch)
         x = tree_map_only(torch.Tensor, _fresh_leaf, x)
-        inputs = _keys(_tensors(x))
+        x_tensors = _tensors(x)
+        restore = BatchCopy([t for t in x_tensors if not t.requires_grad], snapshot=True)
+        inputs = _keys(x_tensors)
         saved: dict[int, int] = {}
 
         def pack(
@@ -250,30 +285,77 @@ def _compiled_saved_bytes(
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
-            out = torch.compile(module, **{"dynamic": False, **options})(x)
+            out = run(x)  # compiles the forward (and, lazily, the backward at its first call)
         new = {k: v for k, v in _keys(_tensors(out)).items() if k not in skip and k not in inputs}
-        result.append(sum({**saved, **new}.values()))
-        x = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), out)
-    result.append(None)
+        stage_saved = None if last else sum({**saved, **new}.values())
+        nxt = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), out)
+        fwd_times: list[float] = []
+        bwd_times: list[float] = []
+        for k in range(repeats + 2):  # the first backward compiles; one more run warms up
+            if k > 0:
+                restore.restore()
+                _sync(device)
+                start = time.perf_counter()
+                out = run(x)
+                _sync(device)
+                fwd = time.perf_counter() - start
+            seed, _ = _seed(_tensors(out))
+            _sync(device)
+            start = time.perf_counter()
+            if seed is not None:
+                seed.backward()
+            _sync(device)
+            if k > 1:
+                fwd_times.append(fwd)
+                bwd_times.append(time.perf_counter() - start)
+            del out, seed
+            for t in [*params, *x_tensors]:
+                t.grad = None
+        result.append(
+            CompiledStage(stage_saved, statistics.median(fwd_times), statistics.median(bwd_times))
+        )
+        x = nxt
     return result
+
+
+def _last_stage_runner(
+    model: nn.Module, split: Stages, module: Callable[[Any], Any], loss_fn: LossFn, batch: Any
+) -> Callable[[Any], Any]:
+    """The last stage as :func:`_measure_chain` runs it (``finish`` and the loss after it),
+    with ``module`` in place of the stage's module."""
+
+    def run(inp: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            return split.finish(module(inp), *a, **k)
+
+        return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
+
+    return run
 
 
 def _identity(t: Any) -> Any:
     return t
 
 
-def _with_saved_bytes(chain: Chain, saved: Sequence[int | None]) -> Chain:
-    """``chain`` with the stages' ``saved_bytes`` replaced where given (at least the output's
-    bytes); each backward overhead stays relative to what the stage saves, within its floor."""
+def _with_compiled_costs(chain: Chain, costs: Sequence[CompiledStage]) -> Chain:
+    """``chain`` with the stages' times replaced by the compiled ones and ``saved_bytes`` where
+    given (at least the output's bytes); each backward overhead stays relative to what the
+    stage saves, within its floor."""
     new_saved = [
-        chain.saved_bytes[i] if s is None else max(s, chain.out_bytes[i])
-        for i, s in enumerate(saved)
+        chain.saved_bytes[i] if c.saved_bytes is None else max(c.saved_bytes, chain.out_bytes[i])
+        for i, c in enumerate(costs)
     ]
     overhead = [
         max(-(s + out), b)
         for s, out, b in zip(new_saved, chain.out_bytes, chain.bwd_overhead_bytes, strict=True)
     ]
-    return dataclasses.replace(chain, saved_bytes=new_saved, bwd_overhead_bytes=overhead)
+    return dataclasses.replace(
+        chain,
+        saved_bytes=new_saved,
+        bwd_overhead_bytes=overhead,
+        fwd_time=[c.fwd_time for c in costs],
+        bwd_time=[c.bwd_time for c in costs],
+    )
 
 
 class _Stop(Exception):
