@@ -357,7 +357,9 @@ def chain_step_peak(
 def checkpoint_state_bytes() -> int:
     """Bytes each checkpointed segment of the executor keeps until its backward: the CPU RNG
     state (``torch.get_rng_state()``, 5,056 bytes), saved so that recomputed dropout draws the
-    same masks (CUDA RNG states are a few bytes more, also in host memory)."""
+    same masks (CUDA RNG states are a few bytes more, also in host memory). The graph executor
+    keeps one per random call inside a checkpointed segment instead, and one while replaying
+    (:attr:`remat.core.step.StepCosts.checkpoint_states`)."""
     return torch.get_rng_state().numel()
 
 
@@ -455,6 +457,9 @@ def _auto_graph(
             ),
             input_bytes=trace.graph.input_bytes,
             slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
+            # the graph executor's RNG states: one per random call in a checkpointed segment
+            checkpoint_state_bytes=checkpoint_state_bytes(),
+            checkpoint_states="per-random-call",
         )
 
     def plan_traced(

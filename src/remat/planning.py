@@ -236,6 +236,11 @@ def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
     graph give the same number for every plan (the chain's plan read as its graph plan)."""
     if isinstance(structure, Graph):
         return graph_step_peak(structure, plan, costs)  # type: ignore[arg-type]
+    if costs.checkpoint_states != "per-segment":
+        raise ValueError(
+            f"checkpoint_states={costs.checkpoint_states!r} is the graph executor's; a chain's "
+            "executor (torch's checkpoint) keeps one state per segment: 'per-segment'"
+        )
     plan = plan.for_chain(structure)  # type: ignore[union-attr]
     spans = (
         checkpoint_spans(GraphPlan.from_chain_plan(plan, structure))

@@ -1160,7 +1160,14 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     for k, v in grad_node.items():
         param_grads[v] += st.params[k]
     own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
-    graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
+    random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
+    for rec in calls:
+        if rec.random and rec.inside and call_node[rec.index] is not None:
+            random_calls[call_node[rec.index]] += 1
+    graph_nodes = [
+        replace(node, keeps_output=own[v], random_calls=random_calls[v])
+        for v, node in enumerate(graph_nodes)
+    ]
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(saved_constants.values())
     graph = Graph(

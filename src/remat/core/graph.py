@@ -92,6 +92,10 @@ class Node:
     consumers' backwards keep it (a convolution's output, saved by the next batch norm) or
     none does: the output is then freed as soon as its last reader (a forward that reads it,
     a backward that saved it, a checkpoint) is done, before the node's own backward."""
+    random_calls: int = 0
+    """Random calls (dropout: ops tagged ``nondeterministic_seeded``) the node's forward makes;
+    the graph executor saves an RNG state for each inside a checkpointed segment
+    (:func:`remat.core.simulate.graph_step_peak`). Not part of the fingerprint."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -111,6 +115,10 @@ class Node:
             set_(self, name, value)
         if not isinstance(self.keeps_output, bool):
             raise TypeError(f"node {self.name!r}: keeps_output must be a bool")
+        if isinstance(self.random_calls, bool) or not isinstance(self.random_calls, int):
+            raise TypeError(f"node {self.name!r}: random_calls must be an int")
+        if self.random_calls < 0:
+            raise ValueError(f"node {self.name!r}: random_calls = {self.random_calls} < 0")
         if self.saved_bytes < self.out_bytes:
             raise ValueError(
                 f"node {self.name!r}: saved_bytes ({self.saved_bytes}) < out_bytes "
@@ -156,6 +164,8 @@ class Node:
             data["saved_inputs"] = list(self.saved_inputs)
         if self.keeps_output:
             del data["keeps_output"]  # the default: graphs written before it read the same
+        if not self.random_calls:
+            del data["random_calls"]  # likewise
         return data
 
 
@@ -448,6 +458,7 @@ class Graph:
         data = self.to_dict()
         for obj in data["nodes"]:
             obj.pop("name")
+            obj.pop("random_calls", None)  # an RNG state's bytes, not the activations' plan
         return json.dumps(data, sort_keys=True)
 
     def __len__(self) -> int:

@@ -150,33 +150,64 @@ def graph_step_peak(
 ) -> int:
     """:func:`remat.core.step.step_peak` of ``plan`` over the graph's simulated timeline
     (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per checkpointed segment,
-    nested ones included, from the segment's forward to its backward: :func:`checkpoint_spans`)."""
+    nested ones included, from the segment's forward to its backward: :func:`checkpoint_spans`).
+
+    With ``costs.checkpoint_states == "per-random-call"`` (the graph executor), a top-level
+    segment keeps one state per random call of its nodes (:attr:`Node.random_calls
+    <remat.core.graph.Node.random_calls>`, nested segments included) instead, and every
+    recomputation of a node whose top-level segment has random calls holds one more (the state
+    ``torch.random.fork_rng`` saves around a replay): an upper bound where a nested segment
+    without random calls is replayed inside a parent with some."""
     if len(costs.grad_bytes) != graph.n:
         raise ValueError(
             f"param_grad_bytes has {len(costs.grad_bytes)} entries; the graph has {graph.n} nodes"
         )
     timeline = simulate_graph(graph, plan, order).timeline
+    if costs.checkpoint_states != "per-random-call":
+        return step_peak(
+            (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline),
+            costs,
+            checkpoint_spans(plan, order),
+        )
+    random_calls = [node.random_calls for node in graph.nodes]
+    replayed = {v for s in plan.segments if sum(random_calls[u] for u in s.nodes) for v in s.nodes}
+    fork = costs.checkpoint_state_bytes
     return step_peak(
-        (StepEvent(e.op == "B", e.node, e.peak_bytes, e.live_bytes) for e in timeline),
+        (
+            StepEvent(  # only a forward's peak is read; the replay's state is gone by the backward
+                e.op == "B",
+                e.node,
+                e.peak_bytes + (fork if e.recompute and e.node in replayed else 0),
+                e.live_bytes,
+            )
+            for e in timeline
+        ),
         costs,
-        checkpoint_spans(plan, order),
+        checkpoint_spans(plan, order, random_calls),
     )
 
 
 def checkpoint_spans(
-    plan: GraphPlan, order: Sequence[int] | None = None
+    plan: GraphPlan, order: Sequence[int] | None = None, random_calls: Sequence[int] | None = None
 ) -> tuple[tuple[int, int], ...]:
     """Per top-level segment of ``plan``, ``(its first node in ``order``, the checkpointed
     segments in its subtree)``: what :func:`remat.core.step.segment_state_bytes` reads. The
     segment's checkpoint lives from that node's first forward to its backward, the segment's
     last (as :func:`lower_plan` keeps the segment's frame); on a chain's path graph
-    (:meth:`GraphPlan.from_chain_plan`) node ``i`` is stage ``i + 1``."""
+    (:meth:`GraphPlan.from_chain_plan`) node ``i`` is stage ``i + 1``. With ``random_calls``
+    (per node), the count is the random calls of the segment's nodes instead: the states the
+    graph executor saves."""
     pos = {v: i for i, v in enumerate(order)} if order is not None else None
 
     def first(seg: GraphSegment) -> int:
         return seg.nodes[0] if pos is None else min(seg.nodes, key=pos.__getitem__)
 
-    return tuple((first(s), sum(1 for _ in s.walk())) for s in plan.segments)
+    def count(seg: GraphSegment) -> int:
+        if random_calls is None:
+            return sum(1 for _ in seg.walk())
+        return sum(random_calls[v] for v in seg.nodes)
+
+    return tuple((first(s), count(s)) for s in plan.segments)
 
 
 def lower_plan(

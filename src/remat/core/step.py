@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 __all__ = [
     "LOOPS",
+    "CHECKPOINT_STATES",
     "StepCosts",
     "StepEvent",
     "step_peak",
@@ -56,6 +57,19 @@ LOOPS: dict[str, str] = {
     ),
 }
 """The training loops a whole-step budget can be made for (``loop=`` of :func:`remat.auto`)."""
+
+CHECKPOINT_STATES: dict[str, str] = {
+    "per-segment": (
+        "one RNG state per checkpointed segment, from its forward to its backward "
+        "(torch.utils.checkpoint: the chain executor)"
+    ),
+    "per-random-call": (
+        "one RNG state per random call (dropout) inside a checkpointed segment, from the "
+        "top-level segment's forward to its backward, and one more while a segment with random "
+        "calls is replayed (torch.random.fork_rng): the graph executor"
+    ),
+}
+"""What :attr:`StepCosts.checkpoint_states` may say."""
 
 
 def check_loop(loop: str) -> str:
@@ -121,6 +135,12 @@ class StepCosts:
     saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
     side and passed in as a number; :func:`step_peak` counts it for each checkpointed segment
     from the segment's forward to its backward (:func:`segment_state_bytes`)."""
+    checkpoint_states: str = "per-segment"
+    """How many of those states the executor keeps (:data:`CHECKPOINT_STATES`):
+    ``"per-segment"``, one per checkpointed segment (torch's checkpoint: the chain executor), or
+    ``"per-random-call"``, one per random call inside a checkpointed segment plus one while a
+    segment with random calls is replayed (the graph executor; read on a graph only,
+    :func:`remat.core.simulate.graph_step_peak`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_bytes", tuple(int(b) for b in self.grad_bytes))
@@ -133,6 +153,11 @@ class StepCosts:
         if self.checkpoint_state_bytes < 0:
             raise ValueError(
                 f"checkpoint_state_bytes must be >= 0, got {self.checkpoint_state_bytes}"
+            )
+        if self.checkpoint_states not in CHECKPOINT_STATES:
+            raise ValueError(
+                f"checkpoint_states must be one of {sorted(CHECKPOINT_STATES)}, got "
+                f"{self.checkpoint_states!r}"
             )
         if self.output_held_bytes < 0:
             raise ValueError(f"output_held_bytes must be >= 0, got {self.output_held_bytes}")

@@ -421,7 +421,7 @@ class _Frame:
     def __init__(self, sid: int, parent: _Frame | None, top: _Frame | None) -> None:
         self.sid = sid
         self.parent = parent
-        self.top = top or self
+        self._top = top  # None for a top-level frame: no reference to itself (below)
         self.children: list[weakref.ref[_Frame]] = []
         self.calls: set[int] = set()  # calls of this segment (its children's included)
         self.own: set[int] = set()  # calls whose innermost segment this is
@@ -438,6 +438,13 @@ class _Frame:
         )
         self.current = -1
         self.done = False
+
+    @property
+    def top(self) -> _Frame:
+        """The top-level frame (``self`` for one). Not stored on a top-level frame: a frame
+        that referred to itself would be a reference cycle, freed only by Python's garbage
+        collector, so its recipes (an RNG state per random call) would outlive its backward."""
+        return self._top or self
 
     # -- forward
     def pack(self, tensor: torch.Tensor) -> _Holder:
