@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_steps import measured_and_predicted
 from torch import nn
 
 from remat.capture.graph import trace_graph
 from remat.core.graph_plan import GraphPlan
-from remat.core.simulate import simulate_step_peak
-from remat.execute.graph import apply_graph
-from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
+from remat.measure.events import SCRATCH_MIN_BYTES
 
 N, D, H = 128, 16, 512
 
@@ -67,15 +66,6 @@ def test_the_step_peak_is_exact_with_the_branch_recomputed(setup, segment):
     else:
         lo, hi = (graph.index(n) for n in segment)
         plan = GraphPlan.from_segments([range(lo, hi + 1)])
-    run = apply_graph(model, plan, graph, x, loss_fn)
-
-    def one_step() -> None:
-        loss_fn(run, x).backward()
-        for p in model.parameters():
-            p.grad = None
-
-    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
-    measured = step_peak_bytes(one_step, model, None, x)
-    predicted = simulate_step_peak(graph, run.executed_plan, fixed, trace.param_grad_bytes)
+    measured, predicted, _ = measured_and_predicted(model, x, loss_fn, trace, plan)
     model.load_state_dict(buffers)
     assert abs(measured - predicted) <= SCRATCH_MIN_BYTES, (segment, measured, predicted)

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_steps import measured_and_predicted
 from torch import nn
 
 from remat.capture.graph import trace_graph
 from remat.core.graph import Constant, Graph
 from remat.core.graph_plan import GraphPlan
 from remat.core.simulate import simulate_graph, simulate_step_peak
-from remat.execute.graph import apply_graph
-from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
+from remat.measure.events import SCRATCH_MIN_BYTES
 from remat.planners import BudgetTooSmallError
 from remat.planners.graph import plan_graph
 
@@ -79,21 +79,6 @@ def test_the_frozen_output_is_a_constant_read_by_the_add(setup):
     assert again == graph and again.fingerprint == graph.fingerprint
 
 
-def _measured_and_predicted(model, x, trace, plan):
-    graph = trace.graph
-    run = apply_graph(model, plan, graph, x, loss_fn)
-
-    def one_step() -> None:
-        loss_fn(run, x).backward()
-        for p in model.parameters():
-            p.grad = None
-
-    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
-    measured = step_peak_bytes(one_step, model, None, x)
-    predicted = simulate_step_peak(graph, run.executed_plan, fixed, trace.param_grad_bytes)
-    return measured, predicted
-
-
 def _least_milp_plan(graph: Graph) -> GraphPlan:
     try:
         return plan_graph(graph, "checkmate-milp", 1)
@@ -114,7 +99,7 @@ def test_the_step_peak_counts_the_frozen_output(setup, plan_name):
         "milp-least": lambda: _least_milp_plan(graph),
     }
     plan = plans[plan_name]()
-    measured, predicted = _measured_and_predicted(model, x, trace, plan)
+    measured, predicted, _ = measured_and_predicted(model, x, loss_fn, trace, plan)
     # exact up to the allocator's wrapped scalars (what StepCosts.slack_bytes covers)
     assert abs(measured - predicted) <= SCRATCH_MIN_BYTES, (plan_name, measured, predicted)
 
@@ -128,8 +113,7 @@ def test_without_the_constant_the_checkpointed_plan_is_under_predicted(setup):
     bare = Graph(graph.nodes, graph.input_bytes, graph.time_unit)
     kept = simulate_graph(graph, plan).peak_bytes - simulate_graph(bare, plan).peak_bytes
     assert kept == H_BYTES
-    measured, _ = _measured_and_predicted(model, x, trace, plan)
-    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
+    measured, _, fixed = measured_and_predicted(model, x, loss_fn, trace, plan)
     bare_predicted = simulate_step_peak(bare, plan, fixed, trace.param_grad_bytes)
     assert measured - bare_predicted >= H_BYTES - SCRATCH_MIN_BYTES
 

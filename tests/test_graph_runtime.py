@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from graph_steps import measured_and_predicted
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -16,7 +17,6 @@ from remat.core.simulate import simulate_graph, simulate_step_peak
 from remat.execute import graph as runtime
 from remat.execute.chain import SignatureMismatchError
 from remat.execute.graph import GraphExecutionError, apply_graph
-from remat.measure.events import step_peak_bytes, unique_storage_bytes
 from remat.measure.profile import profile
 from remat.planners.graph import plan_graph
 
@@ -120,26 +120,6 @@ def test_measured_peak_is_within_3_percent_of_simulate(name):
         assert 0.97 * simulated <= measured <= 1.03 * simulated, (plan_name, measured, simulated)
 
 
-def measured_and_predicted_step_peak(entry, trace, plan) -> tuple[int, int, int]:
-    """The whole step's peak counted from the allocator's events (remat.measure.events), its
-    prediction from the graph (simulate_step_peak), and the fixed bytes (parameters, buffers,
-    batch) both include. The step starts with no parameter gradient."""
-    model = entry.model
-    planned = apply_graph(model, plan, trace.graph, entry.batch, entry.loss_fn)
-
-    def one_step() -> None:
-        entry.loss_fn(planned, entry.batch).backward()
-        for p in model.parameters():
-            p.grad = None
-
-    measured = step_peak_bytes(one_step, model, None, entry.batch)
-    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
-    predicted = simulate_step_peak(
-        trace.graph, planned.executed_plan, fixed, trace.param_grad_bytes
-    )
-    return measured, predicted, fixed + trace.batch_bytes
-
-
 @pytest.mark.fresh_process
 @pytest.mark.parametrize(
     ("name", "onednn"),
@@ -167,7 +147,10 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name, onednn, mon
     for plan_name in ("none", "reforward"):
         plan = plan_graph(trace.graph, "reforward") if plan_name == "reforward" else None
         plan = plan or GraphPlan.none()
-        measured, predicted, fixed = measured_and_predicted_step_peak(entry, trace, plan)
+        measured, predicted, fixed = measured_and_predicted(
+            entry.model, entry.batch, entry.loss_fn, trace, plan
+        )
+        fixed += trace.batch_bytes  # the fixed bytes with the batch, as the step holds it
         # measured: ResNet-18 8 bytes apart, MobileNetV2 <= 0.05 %, GPT-2's reforward plan
         # +0.95 %: the executor's RNG stashes (5 kB per random call of a segment)
         assert abs(measured - predicted) <= 0.02 * (measured - fixed), (

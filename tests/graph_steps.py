@@ -1,0 +1,30 @@
+"""One planned graph step measured and predicted, for the graph tests (not a test module)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.capture.graph import GraphTrace
+from remat.core.graph_plan import GraphPlan
+from remat.core.simulate import simulate_step_peak
+from remat.execute.graph import apply_graph
+from remat.measure.events import step_peak_bytes, unique_storage_bytes
+
+
+def measured_and_predicted(
+    model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: GraphPlan
+) -> tuple[int, int, int]:
+    """The whole step's peak counted from the allocator's events (remat.measure.events), its
+    prediction from the graph (simulate_step_peak), and the fixed bytes (parameters, buffers)
+    both include. The step starts with no parameter gradient."""
+    run = apply_graph(model, plan, trace.graph, batch, loss_fn)
+
+    def one_step() -> None:
+        loss_fn(run, batch).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    measured = step_peak_bytes(one_step, model, None, batch)
+    fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
+    predicted = simulate_step_peak(trace.graph, run.executed_plan, fixed, trace.param_grad_bytes)
+    return measured, predicted, fixed
