@@ -256,8 +256,9 @@ def _compiled_costs(
     compiles the backward; one more untimed step warms up, then ``repeats`` forward/backward
     pairs are timed (median). The last stage is its module compiled, with ``finish`` and the
     loss eager as in the planned step. The caller restores buffers, gradients and the RNG."""
-    args, kwargs = _model_arguments(model, loss_fn, batch)
-    x = split.prepare(*args, **kwargs)
+    args, kwargs, autocast = _model_call(model, loss_fn, batch)
+    with autocast():
+        x = split.prepare(*args, **kwargs)
     skip = _keys([*model.parameters(), *model.buffers()])
     skip.update(_keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(x)]))
     params = list(model.parameters())
@@ -267,7 +268,7 @@ def _compiled_costs(
     for i, module in enumerate(split.modules):
         last = i == n - 1
         compiled = torch.compile(module, **{"dynamic": False, **options})
-        run: Callable[[Any], Any] = compiled
+        run: Callable[[Any], Any] = _under(autocast, compiled)
         if last:
             run = _last_stage_runner(model, split, compiled, loss_fn, batch)
         x = tree_map_only(torch.Tensor, _fresh_leaf, x)
@@ -379,10 +380,19 @@ class _ModelProxy:
 
 def _model_arguments(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, dict]:
     """What ``loss_fn`` calls the model with."""
-    seen: list[tuple[tuple, dict]] = []
+    args, kwargs, _ = _model_call(model, loss_fn, batch)
+    return args, kwargs
+
+
+def _model_call(
+    model: nn.Module, loss_fn: LossFn, batch: Any
+) -> tuple[tuple, dict, Callable[[], contextlib.AbstractContextManager]]:
+    """What ``loss_fn`` calls the model with, and the autocast state it calls it under (as a
+    context that re-enters it: stages measured alone run as they run in the step)."""
+    seen: list[tuple[tuple, dict, Callable[[], contextlib.AbstractContextManager]]] = []
 
     def record(*args: Any, **kwargs: Any) -> Any:
-        seen.append((args, kwargs))
+        seen.append((args, kwargs, autocast_state()))
         raise _Stop
 
     try:
@@ -392,6 +402,37 @@ def _model_arguments(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tup
     if not seen:
         raise ValueError("loss_fn(model, batch) never called the model: remat cannot capture it")
     return seen[0]
+
+
+def autocast_state() -> Callable[[], contextlib.AbstractContextManager]:
+    """The ``torch.autocast`` state in force now (CPU and CUDA), as a factory of a context that
+    re-enters it; a ``loss_fn`` that calls the model inside ``torch.autocast`` gets its stages
+    measured in 16 bits, as the step runs them."""
+    cache = torch.is_autocast_cache_enabled()
+    states = [
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    ]
+
+    def enter() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for device, dtype in states:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        return stack
+
+    return enter
+
+
+def _under(context: Callable[[], contextlib.AbstractContextManager], run: Callable) -> Callable:
+    """``run`` called inside a fresh ``context()`` (autocast's weight-cast cache is per call,
+    as in the step: cleared when the forward's autocast region ends)."""
+
+    def call(inp: Any) -> Any:
+        with context():
+            return run(inp)
+
+    return call
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -437,12 +478,13 @@ def _measure_chain(
 ) -> tuple[Chain, tuple[int, ...], int]:
     from tqdm.auto import tqdm
 
-    args, kwargs = _model_arguments(model, loss_fn, batch)
+    args, kwargs, autocast = _model_call(model, loss_fn, batch)
     if split.check is not None and not fake:
         split.check(*args, **kwargs)  # compares values: not possible on fake tensors
     if split.fake_check is not None and fake:
         split.fake_check(*args, **kwargs)
-    a0 = split.prepare(*args, **kwargs)
+    with autocast():
+        a0 = split.prepare(*args, **kwargs)
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
     input_bytes = sum(outside.values())
@@ -479,7 +521,7 @@ def _measure_chain(
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
             else:
-                run = module
+                run = _under(autocast, module)
             versions = _versions(_tensors(x))
             try:
                 cost, out = measure_stage(
