@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat.capture.chain import no_autocast_cache
 from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
 from remat.core.plan import Plan, PlanError, Segment
 from remat.guards import (
@@ -628,8 +629,9 @@ class PlannedModule(nn.Module):
         executor = self._executor_for(args, kwargs)
         if executor.compiled is not None:
             return executor.step(args, kwargs)
-        a0 = stages.prepare(*args, **kwargs)
-        return stages.finish(executor.run(a0), *args, **kwargs)
+        with no_autocast_cache():  # each 16-bit weight copy lives as the capture measured it
+            a0 = stages.prepare(*args, **kwargs)
+            return stages.finish(executor.run(a0), *args, **kwargs)
 
     def _follow_model(self) -> None:
         """Stages that hold a submodule the model no longer has (``model.fc = ...`` after
