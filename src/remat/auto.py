@@ -65,7 +65,7 @@ from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.measure.calibration import planning_device, time_model_for
-from remat.measure.events import SCRATCH_MIN_BYTES
+from remat.measure.events import SCRATCH_MIN_BYTES, device_library_bytes
 from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
@@ -101,7 +101,8 @@ class AutoSummary:
     budget_bytes: int | None
     """The total budget asked for (None: least memory at <= one extra forward)."""
     fixed_bytes: int
-    """Parameters + gradients + buffers + optimizer state: memory no plan changes."""
+    """Parameters + gradients + buffers + optimizer state (+ on a GPU the libraries' workspaces,
+    :func:`remat.measure.events.device_library_bytes`): memory no plan changes."""
     predicted_activation_peak_bytes: int
     """Simulated peak of activations, saved tensors, activation gradients and transients."""
     unplanned_activation_peak_bytes: int
@@ -209,7 +210,8 @@ class AutoSummary:
 
 
 def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes no plan changes: parameters, their gradients, buffers and optimizer state.
+    """Bytes no plan changes: parameters, their gradients, buffers and optimizer state, and on a
+    GPU the libraries' workspaces (:func:`remat.measure.events.device_library_bytes`).
 
     Gradients are counted for every parameter that requires grad (they exist after the first
     backward). Optimizer state is what ``optimizer.state`` holds now; a fresh optimizer without
@@ -242,7 +244,8 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                         add(value)  # the 0-dim step counters too (a few bytes per parameter)
         else:
             total += _expected_state_bytes(optimizer)
-    return total
+    device = next((p.device for p in model.parameters()), None)
+    return total + device_library_bytes(device)
 
 
 def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:

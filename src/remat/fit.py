@@ -95,6 +95,7 @@ from remat.levers.microbatch import MicroBatcher, batch_size, split_batch
 from remat.levers.sparsity import predicted_sparse_bytes
 from remat.measure.events import (
     cuda_step_peak_bytes,
+    device_library_bytes,
     interleaved_times,
     median_ratio,
     step_peak_bytes,
@@ -657,6 +658,7 @@ class _Search:
             _storage_bytes([*model.parameters(), *model.buffers()])
             + self.optimizer_state_bytes
             + self.mask_bytes
+            + device_library_bytes(next((p.device for p in model.parameters()), None))
         )
         self.counts: list[int] = [1]
         self._chains: dict[tuple[str, int], Chain] = {}

@@ -103,6 +103,30 @@ def unique_storage_bytes(tensors: Iterable[Any]) -> int:
     return total
 
 
+def device_library_bytes(device: torch.device | None) -> int:
+    """Bytes the CUDA caching allocator holds on ``device`` that no live tensor owns: the
+    workspaces that cuBLAS, cuBLASLt and cuDNN keep for the rest of the process once used
+    (66 MiB on an H100 with torch 2.11: every training step's peak there includes them), and
+    the rounding of live tensors to the allocator's 512-byte blocks. Measured now: the
+    allocator's count minus the storages of every tensor the garbage collector can see. 0 on
+    any other device, and before the libraries' first use (e.g. planned with ``fake=True`` in a
+    process that has not yet run a matrix product on the device)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0
+    gc.collect()
+    torch.cuda.synchronize(device)
+    owned: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                continue
+            if obj.device == device or device.index is None:
+                owned[storage.data_ptr()] = storage.nbytes()
+    return max(0, torch.cuda.memory_allocated(device) - sum(owned.values()))
+
+
 def _state_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any
 ) -> list[torch.Tensor]:
