@@ -605,6 +605,7 @@ def run_gpu_tests(report: Report, out: Path) -> None:
         "tests/test_levers.py",
         "tests/test_profile.py",
         "tests/test_runtime.py",
+        "tests/test_gpu_budget.py",
     ]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
