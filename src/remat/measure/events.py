@@ -120,10 +120,11 @@ def device_library_bytes(device: torch.device | None) -> int:
         if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake tensors a compile left behind
                 continue
-            if obj.device == device or device.index is None:
-                owned[storage.data_ptr()] = storage.nbytes()
+            if ptr and (obj.device == device or device.index is None):
+                owned[ptr] = storage.nbytes()
     return max(0, torch.cuda.memory_allocated(device) - sum(owned.values()))
 
 
