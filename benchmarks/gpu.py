@@ -56,6 +56,7 @@ from remat.planners import BudgetTooSmallError  # noqa: E402
 
 START = time.perf_counter()
 ROWS: list[dict[str, Any]] = []
+REQUESTED: list[int] = []
 
 
 def elapsed() -> float:
@@ -118,6 +119,8 @@ def peak_bytes(
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
+    # the bytes asked for, before the allocator's rounding and unsplit block remainders
+    REQUESTED.append(int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)))
     return int(torch.cuda.max_memory_allocated())
 
 
@@ -218,6 +221,7 @@ def _promise(report: Report, device: torch.device, name: str) -> None:
             opt.zero_grad(set_to_none=True)
 
         measured = peak_bytes(step, model, opt, batch, device)
+        requested = REQUESTED[-1] if REQUESTED and device.type == "cuda" else None
         report.add(
             {
                 "section": "promises",
@@ -227,6 +231,7 @@ def _promise(report: Report, device: torch.device, name: str) -> None:
                 "budget_bytes": budget,
                 "predicted_peak_bytes": summary.predicted_peak_bytes,
                 "measured_peak_bytes": measured,
+                "requested_peak_bytes": requested,
                 "eager_peak_bytes": eager_peak,
                 "within_budget": measured <= budget,
                 "measured_minus_predicted": measured - summary.predicted_peak_bytes,
@@ -399,6 +404,8 @@ def measure(
     del got
     step = case.step_of(module, context)
     row["peak_bytes"] = peak_bytes(step, case.model, case.opt, case.batch, device)
+    if device.type == "cuda":
+        row["requested_peak_bytes"] = REQUESTED[-1]
     times = interleaved_times({"eager": case.step_of(case.model), "method": step}, repeats=5)
     row["step_seconds"] = statistics.median(times["method"])
     row["eager_step_seconds"] = statistics.median(times["eager"])
