@@ -13,9 +13,10 @@ interleaved with it, gradients compared with eager's):
   remat's own least feasible budget, ``least``);
 * ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M: a flat
   plan (``hong-dp``) on the chain captured **compiled** (``remat.capture.chain.capture(compile=)``:
-  each stage compiled once, its saved bytes and forward/backward times measured compiled;
-  captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
-  compile=...)`` (:func:`compiled_remat_setup`, the one place that builds it). Budgets: the
+  each stage compiled once and measured as it runs: saved bytes, transients, forward/backward
+  times; captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
+  compile=...)``, each stage its own compiled graph (:func:`compiled_remat_setup`, the one
+  place that builds it). Budgets: the
   same M, plus the compiled chain's own least (``least-compiled``).
 
 The **goal** per model (``goal`` in ``compile.json``): at every compile point a
@@ -76,7 +77,7 @@ NOTES = (
     "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
     "remat-eager@P: remat's plan (optimal-time for a whole-step budget, as remat.auto plans) at "
     "the measured peak of point P; remat-compiled@P: what remat.auto(compile=True) plans for it "
-    "(flat hong-dp on the stages' compiled saved bytes and times), run under torch.compile. "
+    "(flat hong-dp on the compiled stages' measured costs), each stage compiled. "
     "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
     "median step time / median eager step time, interleaved in the same loop."
 )
@@ -117,9 +118,8 @@ def compiled_workload(work: Workload) -> tuple[Workload, float]:
 
 def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
     """What ``remat.auto(..., compile=True)`` plans for ``total_budget`` on ``work`` (a
-    :func:`compiled_workload`): a flat plan (``hong-dp``: the partitioner honours no nested
-    checkpoint) on the compiled costs, run with ``remat.apply(..., compile=...)`` as one graph
-    whose checkpointed segments the partitioner recomputes."""
+    :func:`compiled_workload`): a flat plan (``hong-dp``) on the compiled costs, run with
+    ``remat.apply(..., compile=...)``: each stage its own compiled graph, the one measured."""
     torch._dynamo.reset()  # a fresh compilation
     setup = remat_setup(work, FLAT_METHOD, total_budget, label, compile={"backend": BACKEND})
     setup.notes["backend"] = BACKEND
