@@ -607,10 +607,6 @@ def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[N
         ) from err
 
 
-FLAT_METHOD = "hong-dp"
-"""The planner of ``compile=True`` (flat plans: see :data:`remat.execute.chain.NESTED_UNDER_COMPILE`)."""
-
-
 def auto(
     model: nn.Module,
     batch: Any,
@@ -637,8 +633,8 @@ def auto(
     planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
     the minimum for that shape.
 
-    ``method`` is the chain planner: ``"optimal-time"`` by default, ``"hong-dp"`` (flat plans,
-    :data:`FLAT_METHOD`) with ``compile``: torch.compile honours no checkpoint nested in another.
+    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too: the
+    checkpoints around the compiled stages are eager, nested ones included).
 
     ``loop`` is the training loop the budget must hold for (:data:`remat.core.step.LOOPS`):
 
@@ -679,10 +675,7 @@ def auto(
 
     check_loop(loop)
     options = compile_options(compile)
-    # torch.compile's partitioner honours a checkpointed segment but not a segment nested in
-    # one (measured: a nested plan kept every activation of its outer segment, 14.4 against
-    # 9.4 eager), so a compiled plan is flat: hong-dp, the fastest flat plan that fits
-    method = method or (FLAT_METHOD if options is not None else "optimal-time")
+    method = method or "optimal-time"
     # the compiled stages' costs, measured as they run (any backend)
     compiled_costs = options
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
