@@ -336,8 +336,8 @@ class _Executor:
     """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints.
 
     With ``compile_options`` (``torch.compile``'s keyword arguments), :meth:`step` runs the
-    whole forward (``prepare``, the segments, ``finish``) as one ``torch.compile`` graph (see
-    NOTE [ Compiled plans ])."""
+    stages each as their own ``torch.compile`` graph (NOTE [ One graph per stage ] in
+    remat.capture.chain)."""
 
     def __init__(
         self,
@@ -674,11 +674,11 @@ def apply(
             torch's own checkpoint at the same plan (``benchmarks/executor_overhead.py``).
             ``False`` runs exactly what the simulator predicts (forward counts equal; the
             tests of the cost model use it).
-        compile: run each training forward (``prepare``, the stages, ``finish``) through
-            ``torch.compile`` (inductor, static shapes) as one graph in which the plan's
-            checkpointed segments are what is recomputed (NOTE [ Compiled plans ]); graph
-            breaks are warned about at the first call (code around one runs eagerly). Each
-            input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
+        compile: run each stage of a training forward as its own ``torch.compile`` graph
+            (inductor, static shapes), with the plan's checkpoints (eager ones, nested
+            allowed) around them (NOTE [ One graph per stage ] in remat.capture.chain); graph
+            breaks inside a stage are warned about at the first call (code around one runs
+            eagerly). Each input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
             run the eager model. A mapping instead of ``True`` is passed to ``torch.compile``
             as keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": ...}``).
     """
