@@ -1,12 +1,13 @@
-"""``compile=True``: the planned model's training forward as one ``torch.compile`` graph in which
-remat's plan decides what is recomputed (runtime.py, NOTE [ Compiled plans ]).
+"""``compile=True``: each stage of the planned model's training forward is its own
+``torch.compile`` graph, with remat's checkpoints around them, and the plan is made on the
+compiled stages measured as they run (remat.capture.chain, NOTE [ One graph per stage ]).
 
 Gradients are compared with the eager, unplanned model at ``rtol=1e-4, atol=1e-5`` (CPU fp32:
 inductor's fused kernels sum in another order). Peaks are the allocator's
 (:func:`remat.measure.events.step_peak_bytes`, which sees inside compiled code). Inductor's C++
 compile takes seconds per graph on a CPU, so one test compiles with inductor; the others use
 ``aot_eager_decomp_partition`` (dynamo, AOTAutograd and the same min-cut partitioner, run
-eagerly): what is saved and recomputed is decided as under inductor.
+eagerly): what a stage saves is decided as under inductor.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import remat
+from remat.auto import predicted_step_peak_bytes
 from remat.capture.chain import capture
 from remat.core.errors import UnsupportedModelError
 from remat.core.plan import Segment
-from remat.measure.events import step_peak_bytes
+from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 PARTITIONER = {"backend": "aot_eager_decomp_partition"}
@@ -84,7 +86,14 @@ def graphs_and_breaks() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def test_mlp_compiled_with_inductor_one_graph_equal_gradients_within_budget() -> None:
+def assert_one_graph_per_stage_at_most(planned: Any) -> None:
+    # each stage is its own compiled graph (NOTE [ One graph per stage ]), stages with the
+    # same code share one, and no stage breaks
+    graphs, breaks = graphs_and_breaks()
+    assert breaks == 0 and graphs <= planned.stages.n, (graphs, breaks, planned.stages.n)
+
+
+def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget() -> None:
     model = mlp()
     reference = copy.deepcopy(model)
     x = torch.randn(256, 64)
@@ -92,18 +101,25 @@ def test_mlp_compiled_with_inductor_one_graph_equal_gradients_within_budget() ->
     def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(b).square().mean()
 
-    with pytest.warns(UserWarning, match="measure the first planned step"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         planned, summary = remat.auto(
             model, x, loss_fn=loss, budget="70%", compile=True, loop="loss-only"
         )
+    # (it warned that the compiled prediction was not exact: no longer)
+    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
     assert any(seg.checkpoint for seg in planned.plan.walk())
-    counters.clear()  # (the capture compiled each stage alone to measure what it saves)
+    counters.clear()  # (the capture compiled the stages: the planned step reuses them)
     loss(planned, x).backward()
-    assert graphs_and_breaks() == (1, 0)  # the whole planned forward: one graph, no break
+    assert_one_graph_per_stage_at_most(planned)
     loss(reference, x).backward()
     assert_equal_grads(model, reference)
     measured = step_peak_bytes(step_of(planned, loss, x), model, None, x)
-    assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        measured,
+        summary.predicted_peak_bytes,
+        summary.budget_bytes,
+    )
 
 
 @pytest.mark.parametrize("checkpoints", [[3, 6, 9], [2, 8]])
@@ -180,7 +196,7 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once() -> None:
         model, remat.Plan((Segment(1, 3, True), Segment(4, 4))), compile=PARTITIONER
     )
     planned(x).sum().backward()
-    assert graphs_and_breaks() == (1, 0)
+    assert_one_graph_per_stage_at_most(planned)
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         # (a convolution's bias before batch norm has a zero gradient: noise of 1e-5 here)
@@ -200,13 +216,17 @@ def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> Non
 
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
     assert any(seg.checkpoint for seg in planned.plan.walk())
-    counters.clear()  # (the capture compiled each stage alone to measure what it saves)
+    counters.clear()  # (the capture compiled the stages: the planned step reuses them)
     loss(planned, batch).backward()
-    assert graphs_and_breaks() == (1, 0)
+    assert_one_graph_per_stage_at_most(planned)
     loss(reference, batch).backward()
     assert_equal_grads(model, reference)
     measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
-    assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        measured,
+        summary.predicted_peak_bytes,
+        summary.budget_bytes,
+    )
 
     # another batch size: re-planned under the same budget and compiled for it (its own graph)
     ids2 = torch.randint(0, 128, (2, 32))
@@ -236,14 +256,15 @@ def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> Non
     planned = remat.apply(model, remat.Plan.from_checkpoints(4, [2]), compile=PARTITIONER)
     assert planned.plan.segments[0].checkpoint and planned.plan.segments[0].start == 1
     planned(**batch).loss.backward()
-    assert graphs_and_breaks() == (1, 0)
+    assert_one_graph_per_stage_at_most(planned)
     reference(**batch).loss.backward()
     assert_equal_grads(model, reference)
 
 
 def test_capture_counts_what_compiled_stages_save() -> None:
     # the partitioner recomputes a GPT-2 block's pointwise ops rather than saving them: the
-    # compiled capture's saved bytes are below eager's (the last stage, with the loss, is eager's)
+    # compiled capture's saved bytes are below eager's (the last stage: its module compiled, the
+    # loss eager as in the step; here it saves what eager saves)
     model = gpt2()
     ids = torch.randint(0, 128, (2, 16))
     batch = {"input_ids": ids, "labels": ids}
@@ -261,6 +282,54 @@ def test_capture_counts_what_compiled_stages_save() -> None:
     assert all(c != e for c, e in zip(compiled.bwd_time, eager.bwd_time, strict=True))
     with pytest.raises(ValueError, match="real capture"):
         capture(model, batch, fake=True, compile=PARTITIONER)
+
+
+def test_compiled_plans_of_a_small_transformer_measure_within_their_prediction() -> None:
+    # issue #19: with the planned forward as one compiled graph, GPT-2 tiny's plan
+    # (1-2) (3) [4] measured 25,330,872 B under inductor against 20,491,324 B predicted, and
+    # 2,070,596 B over under this backend (a checkpointed block's recomputation held 8.1 MB in
+    # the one backward graph where its compiled forward alone saved 4.5 MB). Each stage now runs
+    # as its own compiled graph, the one that was measured (NOTE [ One graph per stage ])
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (4, 64))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def loss(m: nn.Module, b: dict) -> torch.Tensor:
+        return m(**b).loss
+
+    captured = capture(model, batch, loss_fn=loss, compile=PARTITIONER)
+    segments = [
+        [Segment(1, 2, True), Segment(3, 3, True), Segment(4, 4)],  # the plan of the report
+        [Segment(1, 1), Segment(2, 3, True), Segment(4, 4)],
+        [Segment(1, 1, True), Segment(2, 2, True), Segment(3, 3, True), Segment(4, 4)],
+        [Segment(1, 4)],
+    ]
+    for segs in segments:
+        plan = remat.Plan(tuple(segs))
+        planned = remat.apply(model, plan, stages=captured.stages, compile=PARTITIONER)
+        measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
+        # (auto adds SCRATCH_MIN_BYTES to every prediction: allocator-only bytes, such as
+        # wrapped scalars, that no capture counts)
+        predicted = predicted_step_peak_bytes(model, captured, plan) + SCRATCH_MIN_BYTES
+        assert measured <= predicted < 1.01 * measured, (plan.describe(), measured, predicted)
+
+    with pytest.raises(remat.BudgetTooSmallError) as info:
+        remat.auto(model, batch, budget=1, compile=PARTITIONER, loop="loss-only")
+    planned, summary = remat.auto(
+        model, batch, budget=info.value.minimum_bytes, compile=PARTITIONER, loop="loss-only"
+    )
+    assert sum(seg.checkpoint for seg in planned.plan.walk()) >= 1
+    measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        planned.plan.describe(),
+        measured,
+        summary.predicted_peak_bytes,
+        summary.budget_bytes,
+    )
+    loss(planned, batch).backward()
+    loss(reference, batch).backward()
+    assert_equal_grads(model, reference)
 
 
 class Pointwise(nn.Module):
@@ -308,27 +377,33 @@ def test_compile_argument_is_checked() -> None:
         remat.apply(mlp(depth=1), remat.Plan.none(), compile="yes")  # type: ignore[arg-type]
 
 
-def test_a_nested_plan_is_refused_under_compile_and_auto_plans_flat() -> None:
-    # torch.compile's partitioner keeps every activation of an outer checkpointed segment
-    # (tests/test_executor_overhead.py measures it): a nested plan would silently lose its
-    # savings, so apply refuses it and auto(compile=True) plans flat (hong-dp)
+def test_a_nested_plan_runs_compiled_within_its_prediction() -> None:
+    # the checkpoints around the compiled stages are eager ones (NOTE [ One graph per stage ]):
+    # a checkpoint nested in another keeps its savings. Refused before: in one compiled graph
+    # the partitioner kept every activation of the outer segment (14.4 against 9.4 eager)
     model = mlp(depth=6)
+    reference = copy.deepcopy(model)
     inner = (Segment(3, 5), Segment(6, 8, True))
     nested = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
-    with pytest.raises(remat.PlanError, match="cannot nest checkpointed segments"):
-        remat.apply(model, nested, compile=PARTITIONER)
-    x = torch.randn(64, 64)
+    flat = remat.Plan((Segment(1, 2), Segment(3, 8, True), Segment(9, 12, True)))
+    x = torch.randn(512, 64)
 
     def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(b).sum()
 
-    with pytest.raises(remat.BudgetTooSmallError, match="hong-dp") as info:
-        remat.auto(model, x, loss_fn=loss_fn, budget="60%", compile=PARTITIONER)
-    # the minimum it names is accepted, with a flat plan that checkpoints
-    planned, summary = remat.auto(
-        model, x, loss_fn=loss_fn, budget=info.value.minimum_bytes, compile=PARTITIONER
-    )
-    assert summary.method == "hong-dp"
-    assert any(seg.checkpoint for seg in planned.plan.walk())
-    for seg in planned.plan.walk():  # flat: no checkpoint inside a checkpointed segment
-        assert not (seg.checkpoint and any(c.checkpoint for c in seg.children)), seg
+    captured = capture(model, x, loss_fn=loss_fn, compile=PARTITIONER)
+    peaks = {}
+    for name, plan in (("nested", nested), ("flat", flat), ("none", remat.Plan.none())):
+        planned = remat.apply(model, plan, stages=captured.stages, compile=PARTITIONER)
+        measured = step_peak_bytes(step_of(planned, loss_fn, x), model, None, x)
+        predicted = predicted_step_peak_bytes(model, captured, plan) + SCRATCH_MIN_BYTES
+        assert measured <= predicted, (name, measured, predicted)
+        peaks[name] = measured
+    assert peaks["nested"] < peaks["none"], peaks  # its savings kept
+    planned = remat.apply(model, nested, stages=captured.stages, compile=PARTITIONER)
+    loss_fn(planned, x).backward()
+    loss_fn(reference, x).backward()
+    assert_equal_grads(model, reference)
+    # and auto(compile=True) plans with its default planner, nested plans allowed
+    _, summary = remat.auto(model, x, loss_fn=loss_fn, budget="60%", compile=PARTITIONER)
+    assert summary.method == "optimal-time"

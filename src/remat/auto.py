@@ -610,17 +610,6 @@ def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[N
         ) from err
 
 
-FLAT_METHOD = "hong-dp"
-"""The planner of ``compile=True`` (flat plans: see :data:`remat.execute.chain.NESTED_UNDER_COMPILE`)."""
-COMPILED_PEAK_WARNING = (
-    "remat.auto(compile=True): the compiled step's peak is predicted from each stage compiled "
-    "alone, and under inductor some plans have measured above that prediction (GPT-2 tiny: "
-    "up to 24%, docs/results/compile/README.md, issue #19): measure the first planned step "
-    "(remat.measure.events.step_peak_bytes) before relying on the budget"
-)
-"""Said by ``auto(compile=True)`` under inductor until the compiled prediction is exact."""
-
-
 def auto(
     model: nn.Module,
     batch: Any,
@@ -647,8 +636,8 @@ def auto(
     planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
     the minimum for that shape.
 
-    ``method`` is the chain planner: ``"optimal-time"`` by default, ``"hong-dp"`` (flat plans,
-    :data:`FLAT_METHOD`) with ``compile``: torch.compile honours no checkpoint nested in another.
+    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too: the
+    checkpoints around the compiled stages are eager, nested ones included).
 
     ``loop`` is the training loop the budget must hold for (:data:`remat.core.step.LOOPS`):
 
@@ -678,31 +667,20 @@ def auto(
 
     ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
     graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
-    a mapping is passed to ``torch.compile`` as keyword arguments. Under inductor (the default
-    backend) the plan is made on what the compiled stages save and on their compiled forward
-    and backward times (:func:`remat.capture.chain.capture`'s ``compile``: each stage compiled
-    once), with the eager transients; under another backend on the eager costs (chain path
-    only: a model planned as a module graph raises
-    :class:`~remat.core.errors.UnsupportedModelError`). Known limitation (issue #19, warned):
-    under inductor some plans measured above their prediction (GPT-2 tiny, plan
-    ``(1-2)(3)[4]``: 25,330,872 B against 20,491,324 B predicted), as each stage compiled alone
-    is not what the whole compiled forward saves; measure the first planned step
-    (:func:`remat.measure.events.step_peak_bytes`) before relying on the budget.
+    a mapping is passed to ``torch.compile`` as keyword arguments. Each stage runs as its own
+    compiled graph (NOTE [ One graph per stage ] in :mod:`remat.capture.chain`), and the plan
+    is made on what each compiled stage saves, allocates and takes, measured as it runs
+    (:func:`remat.capture.chain.capture`'s ``compile``, by the allocator's events; any
+    backend), so the compiled step's peak is predicted as the eager one is (chain path only: a
+    model planned as a module graph raises :class:`~remat.core.errors.UnsupportedModelError`;
+    and real captures only: ``fake=True`` raises ``ValueError``).
     """
 
     check_loop(loop)
     options = compile_options(compile)
-    # torch.compile's partitioner honours a checkpointed segment but not a segment nested in
-    # one (measured: a nested plan kept every activation of its outer segment, 14.4 against
-    # 9.4 eager), so a compiled plan is flat: hong-dp, the fastest flat plan that fits
-    method = method or (FLAT_METHOD if options is not None else "optimal-time")
-    # what compiled stages save and their times, measured under inductor only: the transients
-    # stay eager's, which inductor's fused kernels do not exceed but unfused AOT backends do
-    # (tested)
-    inductor = options is not None and options.get("backend", "inductor") == "inductor"
-    compiled_costs = options if inductor else None
-    if inductor:
-        warnings.warn(COMPILED_PEAK_WARNING, stacklevel=2)
+    method = method or "optimal-time"
+    # the compiled stages' costs, measured as they run (any backend)
+    compiled_costs = options
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     batch = _batch_for_meta_parameters(model, batch, fake)

@@ -11,11 +11,13 @@ interleaved with it, gradients compared with eager's):
   ``optimal-time`` under :func:`remat.auto.plan_for_total_budget`), M = every distinct measured
   peak of the compile points, plus budgets below the least of them (fractions of it and
   remat's own least feasible budget, ``least``);
-* ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M: a flat
-  plan (``hong-dp``) on the chain captured **compiled** (``remat.capture.chain.capture(compile=)``:
-  each stage compiled once, its saved bytes and forward/backward times measured compiled;
-  captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
-  compile=...)`` (:func:`compiled_remat_setup`, the one place that builds it). Budgets: the
+* ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M:
+  ``optimal-time`` (flat ``hong-dp`` until the stages were compiled one by one) on the chain
+  captured **compiled** (``remat.capture.chain.capture(compile=)``:
+  each stage compiled once and measured as it runs: saved bytes, transients, forward/backward
+  times; captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
+  compile=...)``, each stage its own compiled graph (:func:`compiled_remat_setup`, the one
+  place that builds it). Budgets: the
   same M, plus the compiled chain's own least (``least-compiled``).
 
 The **goal** per model (``goal`` in ``compile.json``): at every compile point a
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from remat.auto import FLAT_METHOD, plan_for_total_budget
+from remat.auto import plan_for_total_budget
 from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
 from remat.bench.report import markdown_table
 from remat.bench.suites import (
@@ -67,6 +69,8 @@ __all__ = [
 # the same partitioner and activation_memory_budget, no C++ compilation)
 BACKEND = "inductor"
 DEFAULT_MODELS = ["mlp-chain", "gpt2", "llama-tiny", "densenet121"]
+COMPILED_METHOD = "optimal-time"
+"""What ``remat.auto(compile=True)`` plans with (its default planner)."""
 COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.1, 0.0)
 QUICK_COMPILE_BUDGETS = (1.0, 0.0)
 # budgets below the least compile peak, as fractions of it
@@ -76,7 +80,7 @@ NOTES = (
     "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
     "remat-eager@P: remat's plan (optimal-time for a whole-step budget, as remat.auto plans) at "
     "the measured peak of point P; remat-compiled@P: what remat.auto(compile=True) plans for it "
-    "(flat hong-dp on the stages' compiled saved bytes and times), run under torch.compile. "
+    "(optimal-time on the compiled stages' measured costs), each stage compiled. "
     "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
     "median step time / median eager step time, interleaved in the same loop."
 )
@@ -117,11 +121,10 @@ def compiled_workload(work: Workload) -> tuple[Workload, float]:
 
 def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
     """What ``remat.auto(..., compile=True)`` plans for ``total_budget`` on ``work`` (a
-    :func:`compiled_workload`): a flat plan (``hong-dp``: the partitioner honours no nested
-    checkpoint) on the compiled costs, run with ``remat.apply(..., compile=...)`` as one graph
-    whose checkpointed segments the partitioner recomputes."""
+    :func:`compiled_workload`): ``optimal-time`` on the compiled costs, run with
+    ``remat.apply(..., compile=...)``: each stage its own compiled graph, the one measured."""
     torch._dynamo.reset()  # a fresh compilation
-    setup = remat_setup(work, FLAT_METHOD, total_budget, label, compile={"backend": BACKEND})
+    setup = remat_setup(work, COMPILED_METHOD, total_budget, label, compile={"backend": BACKEND})
     setup.notes["backend"] = BACKEND
     return setup
 
@@ -238,9 +241,8 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
                 if int(least * frac) > floor:
                     targets.setdefault(int(least * frac), f"{frac:g}x-compile-min")
             targets.setdefault(floor, "least")
-        # the least of what auto(compile=True) plans (flat, compiled costs): above remat's
-        # eager least where a nested plan reaches lower
-        cfloor = _least_remat_budget(cwork, FLAT_METHOD)
+        # the least of what auto(compile=True) plans (on the compiled costs)
+        cfloor = _least_remat_budget(cwork, COMPILED_METHOD)
         if least is not None and cfloor is not None and cfloor < least:
             targets.setdefault(cfloor, "least-compiled")
         seen: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, plan) -> its row

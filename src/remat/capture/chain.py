@@ -70,7 +70,6 @@ memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import statistics
 import time
 import warnings
@@ -86,10 +85,24 @@ from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
 from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
 from remat.measure.calibration import TimeModel, WorkCounter
-from remat.measure.events import AllocatorWindow, garbage_collected, output_tensors, scratch_bytes
+from remat.measure.events import (
+    AllocatorWindow,
+    garbage_collected,
+    output_tensors,
+    scratch_bytes,
+    unique_storage_bytes,
+)
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 
-__all__ = ["capture_chain", "capture", "Captured", "StageCost", "measure_stage"]
+__all__ = [
+    "capture_chain",
+    "capture",
+    "Captured",
+    "StageCost",
+    "compile_stages",
+    "measure_compiled_stage",
+    "measure_stage",
+]
 
 
 @dataclass(frozen=True)
@@ -170,12 +183,13 @@ def capture(
     gives the stages' times in seconds from the work counted under fake tensors.
 
     ``compile`` (``torch.compile`` keyword arguments; real tensors only): the plan will run
-    compiled (``remat.apply(..., compile=...)``), so each stage is also compiled alone (once)
-    and timed compiled after warm-up: its forward and backward times are the compiled ones,
-    and, for each stage but the last (which holds the loss), its ``saved_bytes`` is what the
-    compiled stage saves (the partitioner recomputes some pointwise ops instead of saving
-    them: a GPT-2 block saves about half of eager's); the transients (overheads) stay the
-    eager measurements."""
+    compiled (``remat.apply(..., compile=...)``: each stage its own compiled graph, NOTE [ One
+    graph per stage ]), so each stage is measured as it will run, compiled
+    (:func:`compile_stages`, :func:`measure_compiled_stage`): what it saves (its partitioner
+    recomputes some pointwise ops instead of saving them: a GPT-2 block saves about 40% less
+    than eager), its transients and parameter gradients by the allocator's own events, and
+    its times after warm-up. The last stage is its module compiled, with ``finish`` and the
+    loss eager, as in the planned step."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if time_model is not None and not fake:
@@ -211,14 +225,10 @@ def _capture(
         private = BatchCopy(batch)  # the model may write into its input: never the caller's
         try:
             with torch.random.fork_rng(devices=devices):
+                calls = None if compile is None else compile_stages(split, compile)
                 chain, rises, output = _measure_chain(
-                    model, split, private.batch, loss_fn, False, repeats, progress
+                    model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
-                if compile is not None:
-                    compiled = _compiled_costs(
-                        model, split, private.batch, loss_fn, compile, repeats
-                    )
-                    chain = _with_compiled_costs(chain, compiled)
         finally:
             buffers.restore()
             for p, g in grads.items():
@@ -226,139 +236,24 @@ def _capture(
     return Captured(chain, split, rises, *output)
 
 
+def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[[Any], Any], ...]:
+    """Each stage's module compiled on its own (``torch.compile`` with ``options``, static
+    shapes): what ``remat.apply(..., compile=...)`` runs and ``capture(compile=...)`` measures.
+
+    NOTE [ One graph per stage ]: a compiled plan runs each stage as its own compiled graph
+    (the checkpointed segments around them are eager checkpoints), not the whole forward as
+    one graph: so each stage saves, allocates and takes in the step exactly what it did when
+    measured. In one graph the partitioner decides across stages, and the stages measured
+    compiled alone did not predict the step: GPT-2 tiny's plan ``(1-2) (3) [4]`` measured
+    25,330,872 B under inductor against 20,491,324 B predicted, and under
+    ``aot_eager_decomp_partition`` a checkpointed block's recomputation held 8.1 MB in the
+    backward graph, its compiled forward alone saved 4.5 MB (docs/results/compile/README.md).
+    Stages with the same code (a model's blocks) share one compilation."""
+    opts = {"dynamic": False, **options}
+    return tuple(torch.compile(module, **opts) for module in split.modules)
+
+
 # ---------------------------------------------------------------------- implementation
-@dataclass(frozen=True)
-class CompiledStage:
-    """What one stage costs compiled alone (:func:`_compiled_costs`)."""
-
-    saved_bytes: int | None
-    """Bytes it saves for backward (None: the eager count is kept, the last stage)."""
-    fwd_time: float
-    """Median forward seconds after warm-up."""
-    bwd_time: float
-    """Median backward seconds after warm-up."""
-
-
-def _compiled_costs(
-    model: nn.Module,
-    split: Stages,
-    batch: Any,
-    loss_fn: LossFn,
-    options: Mapping[str, Any],
-    repeats: int,
-) -> list[CompiledStage]:
-    """Per stage, what it saves for backward and its forward and backward times when compiled
-    alone (``torch.compile`` with ``options``, static shapes; each stage compiled once).
-
-    Saved bytes are counted as :func:`measure_stage` counts ``saved_bytes`` (unique storages,
-    no parameters, buffers, batch or input; the output included), on the first (compiling)
-    forward; None for the last stage (its loss runs outside the stages). The first backward
-    compiles the backward; one more untimed step warms up, then ``repeats`` forward/backward
-    pairs are timed (median). The last stage is its module compiled, with ``finish`` and the
-    loss eager as in the planned step. The caller restores buffers, gradients and the RNG."""
-    args, kwargs, autocast = _model_call(model, loss_fn, batch)
-    with autocast():
-        x = split.prepare(*args, **kwargs)
-    skip = _keys([*model.parameters(), *model.buffers()])
-    skip.update(_keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(x)]))
-    params = list(model.parameters())
-    device = next((t.device for t in params), None)
-    result: list[CompiledStage] = []
-    n = split.n
-    for i, module in enumerate(split.modules):
-        last = i == n - 1
-        compiled = torch.compile(module, **{"dynamic": False, **options})
-        run: Callable[[Any], Any] = _under(autocast, compiled)
-        if last:
-            run = _last_stage_runner(model, split, compiled, loss_fn, batch)
-        x = tree_map_only(torch.Tensor, _fresh_leaf, x)
-        x_tensors = _tensors(x)
-        restore = BatchCopy([t for t in x_tensors if not t.requires_grad], snapshot=True)
-        inputs = _keys(x_tensors)
-        saved: dict[int, int] = {}
-
-        def pack(
-            t: torch.Tensor, inputs: dict[int, int] = inputs, saved: dict[int, int] = saved
-        ) -> torch.Tensor:
-            key = t.untyped_storage()._cdata
-            if key not in skip and key not in inputs:
-                saved[key] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
-            out = run(x)  # compiles the forward (and, lazily, the backward at its first call)
-        new = {k: v for k, v in _keys(_tensors(out)).items() if k not in skip and k not in inputs}
-        stage_saved = None if last else sum({**saved, **new}.values())
-        nxt = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), out)
-        fwd_times: list[float] = []
-        bwd_times: list[float] = []
-        for k in range(repeats + 2):  # the first backward compiles; one more run warms up
-            if k > 0:
-                restore.restore()
-                _sync(device)
-                start = time.perf_counter()
-                out = run(x)
-                _sync(device)
-                fwd = time.perf_counter() - start
-            seed, _ = _seed(_tensors(out))
-            _sync(device)
-            start = time.perf_counter()
-            if seed is not None:
-                seed.backward()
-            _sync(device)
-            if k > 1:
-                fwd_times.append(fwd)
-                bwd_times.append(time.perf_counter() - start)
-            del out, seed
-            for t in [*params, *x_tensors]:
-                t.grad = None
-        result.append(
-            CompiledStage(stage_saved, statistics.median(fwd_times), statistics.median(bwd_times))
-        )
-        x = nxt
-    return result
-
-
-def _last_stage_runner(
-    model: nn.Module, split: Stages, module: Callable[[Any], Any], loss_fn: LossFn, batch: Any
-) -> Callable[[Any], Any]:
-    """The last stage as :func:`_measure_chain` runs it (``finish`` and the loss after it),
-    with ``module`` in place of the stage's module."""
-
-    def run(inp: Any) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            return split.finish(module(inp), *a, **k)
-
-        return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
-
-    return run
-
-
-def _identity(t: Any) -> Any:
-    return t
-
-
-def _with_compiled_costs(chain: Chain, costs: Sequence[CompiledStage]) -> Chain:
-    """``chain`` with the stages' times replaced by the compiled ones and ``saved_bytes`` where
-    given (at least the output's bytes); each backward overhead stays relative to what the
-    stage saves, within its floor."""
-    new_saved = [
-        chain.saved_bytes[i] if c.saved_bytes is None else max(c.saved_bytes, chain.out_bytes[i])
-        for i, c in enumerate(costs)
-    ]
-    overhead = [
-        max(-(s + out), b)
-        for s, out, b in zip(new_saved, chain.out_bytes, chain.bwd_overhead_bytes, strict=True)
-    ]
-    return dataclasses.replace(
-        chain,
-        saved_bytes=new_saved,
-        bwd_overhead_bytes=overhead,
-        fwd_time=[c.fwd_time for c in costs],
-        bwd_time=[c.bwd_time for c in costs],
-    )
-
-
 class _Stop(Exception):
     """Raised by the recording proxy once it has seen the model's arguments."""
 
@@ -494,7 +389,10 @@ def _measure_chain(
     repeats: int,
     progress: bool,
     time_model: TimeModel | None = None,
+    calls: Sequence[Callable[[Any], Any]] | None = None,
 ) -> tuple[Chain, tuple[int, ...], int]:
+    """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
+    measured by :func:`measure_compiled_stage`)."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -522,9 +420,10 @@ def _measure_chain(
     try:
         for i, module in enumerate(split.modules):
             last = i == n - 1
+            stage: Callable[[Any], Any] = module if calls is None else calls[i]
             if last:
 
-                def run(inp: Any, module: nn.Module = module) -> Any:
+                def run(inp: Any, module: Callable[[Any], Any] = stage) -> Any:
                     calls = []
 
                     def call(*a: Any, **k: Any) -> Any:
@@ -540,19 +439,22 @@ def _measure_chain(
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
             else:
-                run = _under(autocast, module)
+                run = _under(autocast, stage)
             versions = _versions(_tensors(x))
             try:
-                cost, out = measure_stage(
-                    run,
-                    x,
-                    exclude=fixed | outside,
-                    fake=fake,
-                    repeats=repeats,
-                    params=params,
-                    track=module,
-                    time_model=time_model,
-                )
+                if calls is not None:
+                    cost, out = measure_compiled_stage(run, x, fixed | outside, repeats, params)
+                else:
+                    cost, out = measure_stage(
+                        run,
+                        x,
+                        exclude=fixed | outside,
+                        fake=fake,
+                        repeats=repeats,
+                        params=params,
+                        track=module,
+                        time_model=time_model,
+                    )
             except RuntimeError as err:  # a leaf that requires grad written in place: whose?
                 if "in-place" in str(err) and _writes_input(run, x):
                     raise in_place_input_error(i + 1, split.names[i]) from err
@@ -730,6 +632,108 @@ def measure_stage(
         bwd_time=bwd_time,
     )
     return cost, next_input
+
+
+def measure_compiled_stage(
+    run: Callable[[Any], Any],
+    inp: Any,
+    exclude: dict[int, int],
+    repeats: int,
+    params: Sequence[torch.Tensor],
+) -> tuple[StageCost, Any]:
+    """:func:`measure_stage` for a compiled stage (:func:`compile_stages`), by the allocator's
+    own count alone (compiled kernels allocate outside any TorchDispatchMode, and dynamo runs
+    the stage eagerly under one): one untimed step compiles the forward and the backward, the
+    next is measured, then ``repeats`` are timed.
+
+    The same quantities as :func:`measure_stage`: ``saved_bytes`` from the saved-tensor hooks
+    (the compiled function's saved tensors, output included); the forward's transients are its
+    allocator peak above the start minus them; the backward's peak is its allocator peak minus
+    ``δ[i]`` and minus the parameter gradients it made, which are its ``grad_rise_bytes``
+    (all of them: the compiled backward returns them together)."""
+    x = tree_map_only(torch.Tensor, _fresh_leaf, inp)
+    x_tensors = _tensors(x)
+    inputs = BatchCopy([t for t in x_tensors if not t.requires_grad], snapshot=True)
+    skip = dict(exclude)
+    skip.update(_keys(x_tensors))
+    device = next((t.device for t in x_tensors), None)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in skip:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    def reset() -> None:
+        for p in params:
+            p.grad = None
+        for t in x_tensors:
+            t.grad = None
+
+    def one_step() -> None:  # compiles the forward and (at its first call) the backward
+        inputs.restore()
+        seed, _ = _seed(_tensors(run(_entered(x))))
+        if seed is not None:
+            seed.backward()
+        del seed
+        reset()
+
+    one_step()
+    inputs.restore()
+    fwd_alloc, bwd_alloc = AllocatorWindow(device), AllocatorWindow(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity), fwd_alloc:
+        out = run(_entered(x))
+    out_tensors = _tensors(out)
+    new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
+    saved_bytes = sum({**saved, **new_out}.values())
+    seed, grad_bytes = _seed(out_tensors)
+    next_input = tree_map_only(torch.Tensor, _fresh_copy, out)
+    del out, out_tensors
+    with bwd_alloc:
+        if seed is not None:
+            seed.backward()
+    del seed
+    made = unique_storage_bytes(p.grad for p in params if p.grad is not None)
+    if fwd_alloc.peak_bytes is None or bwd_alloc.peak_bytes is None:
+        raise RuntimeError(
+            "capture(compile=...) counts a compiled stage's memory with the allocator's own "
+            "events: capture outside a torch.profiler session (and on a CPU or CUDA device)"
+        )
+    reset()
+    fwd_times, bwd_times = [], []
+    for _ in range(repeats):
+        inputs.restore()
+        entered = _entered(x)
+        _sync(device)
+        start = time.perf_counter()
+        out = run(entered)
+        _sync(device)
+        fwd_times.append(time.perf_counter() - start)
+        seed, _ = _seed(_tensors(out))
+        _sync(device)
+        start = time.perf_counter()
+        if seed is not None:
+            seed.backward()
+        _sync(device)
+        bwd_times.append(time.perf_counter() - start)
+        del out, seed, entered
+        reset()
+    cost = StageCost(
+        out_bytes=sum(new_out.values()),
+        saved_bytes=saved_bytes,
+        fwd_overhead_bytes=max(0, fwd_alloc.peak_bytes - saved_bytes),
+        bwd_peak_bytes=bwd_alloc.peak_bytes - grad_bytes - made,
+        unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
+        grad_rise_bytes=made,
+        fwd_time=statistics.median(fwd_times),
+        bwd_time=statistics.median(bwd_times),
+    )
+    return cost, next_input
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.capture.chain import no_autocast_cache
+from remat.capture.chain import compile_stages, no_autocast_cache
 from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
 from remat.core.plan import Plan, PlanError, Segment
 from remat.guards import (
@@ -336,8 +336,8 @@ class _Executor:
     """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints.
 
     With ``compile_options`` (``torch.compile``'s keyword arguments), :meth:`step` runs the
-    whole forward (``prepare``, the segments, ``finish``) as one ``torch.compile`` graph (see
-    NOTE [ Compiled plans ])."""
+    stages each as their own ``torch.compile`` graph (NOTE [ One graph per stage ] in
+    remat.capture.chain)."""
 
     def __init__(
         self,
@@ -354,30 +354,19 @@ class _Executor:
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
                 self._buffers[(seg.start, seg.stop)] = _buffer_slots(mods)
-        self.compiled: Callable[..., Any] | None = None
+        self.compiled: tuple[Callable[[Any], Any], ...] | None = None
         self._compiled_once = False
         if compile_options is not None:
-            nested = [
-                seg
-                for seg in plan.walk()
-                if seg.checkpoint and any(c.checkpoint for c in _descendants(seg))
-            ]
-            if nested:
-                raise PlanError(
-                    f"{NESTED_UNDER_COMPILE} (segment {nested[0].start}-{nested[0].stop}); "
-                    "plan with a flat planner (remat.auto(compile=True) uses 'hong-dp'), or "
-                    "run this plan without compile"
-                )
-            # one compiled function per plan: a new input signature gets its own plan and so
-            # its own graph (static shapes: the plan was made for these shapes only)
-            options = {"dynamic": False, **compile_options}
-            self.compiled = torch.compile(self._traced_step, **options)
+            # each stage its own graph (NOTE [ One graph per stage ]), inside the eager
+            # checkpoints (nested ones too); one executor per plan:
+            # a new input signature gets its own plan (static shapes: the plan is for these)
+            self.compiled = compile_stages(stages, compile_options)
 
     def run(self, a: Any) -> Any:
         return self._run_segments(self.plan.segments, a)
 
     def _run_segments(self, segments: Sequence[Segment], a: Any) -> Any:
-        modules = self.stages.modules
+        modules = self.compiled or self.stages.modules
         for seg in segments:
             if seg.checkpoint:
                 a = self._checkpointed(seg, a)
@@ -417,15 +406,17 @@ class _Executor:
             options["early_stop"] = False
         slots = self._buffers[(seg.start, seg.stop)]
         if slots and not torch.compiler.is_compiling():
-            # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
+            # (under torch.compile of the planned module, AOTAutograd applies a buffer mutation
+            # once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
                 return _BuffersWrittenOnce(slots).pair()
 
             options["context_fn"] = context_fn
         if torch.compiler.is_compiling():
-            # (AOTAutograd functionalizes in-place ops: the recomputation reads the values the
-            # forward read; and comparing versions would be a graph break)
+            # (torch.compile of the planned module by hand: AOTAutograd functionalizes in-place
+            # ops, so the recomputation reads the values the forward read; and comparing
+            # versions would be a graph break)
             return checkpoint(run_children, *tensors, **options)
         versions = _versions(tensors)
         out = checkpoint(run_children, *tensors, **options)
@@ -433,67 +424,28 @@ class _Executor:
             raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
         return out
 
-    # NOTE [ Compiled plans ]: under torch.compile, dynamo traces each non-reentrant
-    # ``checkpoint`` as the ``tag_activation_checkpoint`` higher-order op; AOTAutograd tags the
-    # ops inside as recomputed, and the min-cut partitioner saves only the segment's inputs for
-    # the backward and recomputes the rest there (nested segments are recomputed inside their
-    # parent's recomputation). Outside checkpointed segments the partitioner is free as in any
-    # compiled model (it may recompute cheap pointwise ops instead of saving them). The traced
-    # code below is the executor without the eager memory hygiene (``del``, versions, batch
-    # norm copies): in one graph, the compiler frees each tensor after its last use and
-    # functionalises buffer updates (applied once per step).
-    def _traced_step(self, args: tuple, kwargs: dict) -> Any:
-        stages = self.stages
-        a = self._traced_segments(self.plan.segments, stages.prepare(*args, **kwargs))
-        return stages.finish(a, *args, **kwargs)
-
-    def _traced_segments(self, segments: Sequence[Segment], a: Any) -> Any:
-        modules = self.stages.modules
-        for seg in segments:
-            if not seg.checkpoint:
-                for i in seg.stages():
-                    a = modules[i - 1](a)
-                continue
-            leaves, spec = tree_flatten(a)
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-            def run_children(
-                *ts: torch.Tensor,
-                children: Any = seg.children,
-                leaves: Any = leaves,
-                spec: Any = spec,
-            ) -> Any:
-                it = iter(ts)
-                rebuilt = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-                return self._traced_segments(children, tree_unflatten(rebuilt, spec))
-
-            a = checkpoint(run_children, *tensors, use_reentrant=False)
-        return a
-
     def step(self, args: tuple, kwargs: dict) -> Any:
-        """A compiled training forward (``compiled`` must be set). The first call compiles;
-        graph breaks there are warned about once (what they split runs eagerly)."""
+        """A training forward with the compiled stages (``compiled`` must be set): ``prepare``
+        and ``finish`` eager, each stage its own compiled graph (NOTE [ One graph per stage ]
+        in remat.capture.chain), the checkpointed segments eager checkpoints around them. The
+        first call compiles; graph breaks inside a stage are warned about once (the code
+        around one runs eagerly, as it did when the stage was measured)."""
         assert self.compiled is not None
-        # A segment's Python side effects happen once, in the forward (remat's eager executor
-        # keeps batch-norm updates out of recomputations too); without this, a balanced one
-        # such as transformers' mask code entering a TorchFunctionMode breaks the graph at
-        # the checkpoint and dynamo runs the whole executor loop eagerly.
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-            if self._compiled_once:
-                return self.compiled(args, kwargs)
-            from torch._dynamo.utils import counters
+        stages = self.stages
+        if self._compiled_once:
+            return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
+        from torch._dynamo.utils import counters
 
-            before = dict(counters["graph_break"])
-            out = self.compiled(args, kwargs)
+        before = dict(counters["graph_break"])
+        out = stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
         self._compiled_once = True
         breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
         breaks = {k: v for k, v in breaks.items() if v > 0}
         if breaks:
             warnings.warn(
-                f"compile=True: torch.compile split the planned forward at {sum(breaks.values())}"
-                f" graph break(s) ({'; '.join(str(k).splitlines()[0] for k in breaks)}); "
-                "code around a break runs eagerly (a checkpointed segment that holds one is "
-                "an eager checkpoint: still recomputed, not fused)",
+                f"compile=True: torch.compile split a stage at {sum(breaks.values())} graph "
+                f"break(s) ({'; '.join(str(k).splitlines()[0] for k in breaks)}); code around "
+                "a break runs eagerly (measured so when the stage was captured)",
                 stacklevel=3,
             )
         return out
@@ -723,11 +675,11 @@ def apply(
             torch's own checkpoint at the same plan (``benchmarks/executor_overhead.py``).
             ``False`` runs exactly what the simulator predicts (forward counts equal; the
             tests of the cost model use it).
-        compile: run each training forward (``prepare``, the stages, ``finish``) through
-            ``torch.compile`` (inductor, static shapes) as one graph in which the plan's
-            checkpointed segments are what is recomputed (NOTE [ Compiled plans ]); graph
-            breaks are warned about at the first call (code around one runs eagerly). Each
-            input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
+        compile: run each stage of a training forward as its own ``torch.compile`` graph
+            (inductor, static shapes), with the plan's checkpoints (eager ones, nested
+            allowed) around them (NOTE [ One graph per stage ] in remat.capture.chain); graph
+            breaks inside a stage are warned about at the first call (code around one runs
+            eagerly). Each input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
             run the eager model. A mapping instead of ``True`` is passed to ``torch.compile``
             as keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": ...}``).
     """
@@ -752,19 +704,6 @@ def apply(
         early_stop=early_stop,
         compile=compile_options(compile),
     )
-
-
-def _descendants(seg: Segment) -> Iterator[Segment]:
-    for child in seg.children:
-        yield child
-        yield from _descendants(child)
-
-
-NESTED_UNDER_COMPILE = (
-    "a compiled plan cannot nest checkpointed segments: torch.compile's partitioner keeps every "
-    "activation inside the outer segment (measured on a 12-layer MLP: 14.4 activations "
-    "compiled against 9.4 eager, as many as without the nested segments)"
-)
 
 
 def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
