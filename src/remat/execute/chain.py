@@ -579,9 +579,9 @@ class PlannedModule(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return _run_plain(stages, args, kwargs)
         executor = self._executor_for(args, kwargs)
-        if executor.compiled is not None:
-            return executor.step(args, kwargs)
         with no_autocast_cache():  # each 16-bit weight copy lives as the capture measured it
+            if executor.compiled is not None:
+                return executor.step(args, kwargs)
             a0 = stages.prepare(*args, **kwargs)
             return stages.finish(executor.run(a0), *args, **kwargs)
 
