@@ -254,27 +254,51 @@ def _buffer_slots(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
     return list(found.values())
 
 
+class _SegmentBuffers:
+    """A checkpointed segment's buffer slots and which of them its forwards were seen to write
+    (learned at its first forward, kept across steps: :class:`_BuffersWrittenOnce` copies only
+    those before the next forwards)."""
+
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
+        self.slots = list(slots)
+        self.written: set[int] | None = None
+        """Indices of ``slots`` a forward wrote (batch norm's running statistics left out);
+        None before the first forward."""
+
+
 class _BuffersWrittenOnce:
-    """A checkpoint's ``context_fn`` pair: buffers its forward writes are written once a step.
+    """A checkpoint's ``context_fn`` pair: buffers its forward writes are written once a step,
+    and its recomputation reads them as the forward did.
 
     A forward may update buffers: batch norm's running statistics, an exponential moving
-    average, a call counter (in place, or by assigning a new tensor to the buffer's name). The
-    forward context notes which buffers of the segment the forward wrote (version counter or
-    identity changed); during a recomputation those buffers are throw-away copies, so the real
-    ones keep the forward's single update. (The recomputation reads the values the forward left,
-    which a train-mode output does not depend on for batch norm: it uses batch statistics.)
-    Copies, not ``track_running_stats=False``, keep the recomputation's saved tensors identical
-    to the forward's: batch norm's backward node saves the running statistics as well.
+    average, a call counter, spectral norm's power-iteration vectors (in place, or by assigning
+    a new tensor to the buffer's name). The forward context keeps a copy of the buffers the
+    segment's forwards write from before the forward (at its first forward, of every buffer of
+    the segment, the unwritten ones dropped at its end) and notes which the forward wrote
+    (version counter or identity changed). A recomputation runs on throw-away copies of those
+    values, so the real buffers keep the forward's single update and the recomputation starts
+    where the forward started: spectral norm's recomputed power iteration gives the forward's
+    weight (starting from the updated vector gave gradients 1.9e-4 off). Batch norm's running
+    statistics are copied as the forward left them: a train-mode output does not depend on
+    them (batch statistics). Copies, not ``track_running_stats=False``, keep the
+    recomputation's saved tensors identical to the forward's: batch norm's backward node saves
+    the running statistics as well. The copies from before the forward live until the
+    segment's backward: the written buffers' bytes once per checkpointed segment (a moving
+    average's or spectral norm's vectors), which the step's prediction does not count.
 
     Re-enterable: torch enters a checkpoint's recompute context once per recomputation, and a
     segment is recomputed again by every backward that needs it (``backward(retain_graph=True)``
     twice, or the second backward of ``create_graph=True``).
     """
 
-    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
-        self.slots = slots
-        self.written: list[tuple[nn.Module, str]] = []
+    def __init__(self, segment: _SegmentBuffers) -> None:
+        self.segment = segment
+        self.slots = segment.slots
+        self.written: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+        """Each buffer the forward wrote, with its values from before it (None: the forward's
+        values are replayed, batch norm's running statistics)."""
         self._before: list[tuple[Any, int]] = []
+        self._copies: dict[int, torch.Tensor] = {}
         self._entries: list[list[tuple[nn.Module, str, Any]]] = []
 
     def pair(self) -> tuple[Any, Any]:
@@ -282,10 +306,10 @@ class _BuffersWrittenOnce:
 
     def __enter__(self) -> None:
         saved = []
-        for m, name in self.written:
+        for m, name, before in self.written:
             b = m._buffers[name]
             saved.append((m, name, b))
-            m._buffers[name] = b.clone()
+            m._buffers[name] = (b if before is None else before).clone()
         self._entries.append(saved)
 
     def __exit__(self, *exc: object) -> None:
@@ -294,26 +318,49 @@ class _BuffersWrittenOnce:
 
 
 class _WriteWatch:
-    """The forward side of :class:`_BuffersWrittenOnce`: notes the buffers the forward writes."""
+    """The forward side of :class:`_BuffersWrittenOnce`: copies the buffers the forward may
+    write, notes those it writes."""
 
     def __init__(self, guard: _BuffersWrittenOnce) -> None:
         self.guard = guard
 
     def __enter__(self) -> None:
-        self.guard._before = [
-            (b, b._version) for b in (m._buffers.get(n) for m, n in self.guard.slots)
-        ]
+        guard = self.guard
+        known = guard.segment.written
+        guard._before = [(b, b._version if b is not None else 0) for b in self._now()]
+        with torch.no_grad():
+            guard._copies = {
+                i: b.clone()
+                for i, ((m, n), (b, _)) in enumerate(zip(guard.slots, guard._before, strict=True))
+                if b is not None and not _running_stat(m, n) and (known is None or i in known)
+            }
 
     def __exit__(self, *exc: object) -> None:
         guard = self.guard
-        guard.written = [
-            (m, n)
-            for (m, n), (b, version) in zip(guard.slots, guard._before, strict=True)
-            if m._buffers.get(n) is not b
-            or (b is not None and b._version != version)
-            or _running_stat(m, n)
+        written = [
+            i
+            for i, ((m, n), (b, version), now) in enumerate(
+                zip(guard.slots, guard._before, self._now(), strict=True)
+            )
+            if now is not b or (b is not None and b._version != version) or _running_stat(m, n)
         ]
-        guard._before = []
+        guard.written = []
+        for i in written:
+            m, n = guard.slots[i]
+            before: torch.Tensor | None = None
+            if not _running_stat(m, n):
+                b, version = guard._before[i]
+                before = guard._copies.get(i)
+                if before is None and b is not None and b._version == version:
+                    before = b  # reassigned, the old tensor untouched: it is the value before
+            guard.written.append((m, n, before))
+        seen = {i for i in written if not _running_stat(*guard.slots[i])}
+        known = guard.segment.written
+        guard.segment.written = seen if known is None else known | seen
+        guard._before, guard._copies = [], {}
+
+    def _now(self) -> list[Any]:
+        return [m._buffers.get(n) for m, n in self.guard.slots]
 
 
 _RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
@@ -348,11 +395,11 @@ class _Executor:
         self.stages = stages
         self.plan = plan
         self.early_stop = early_stop
-        self._buffers: dict[tuple[int, int], list[tuple[nn.Module, str]]] = {}
+        self._buffers: dict[tuple[int, int], _SegmentBuffers] = {}
         for seg in plan.walk():
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
-                self._buffers[(seg.start, seg.stop)] = _buffer_slots(mods)
+                self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(_buffer_slots(mods))
         self.compiled: Callable[..., Any] | None = None
         self._compiled_once = False
         if compile_options is not None:
@@ -414,12 +461,12 @@ class _Executor:
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if not self.early_stop:
             options["early_stop"] = False
-        slots = self._buffers[(seg.start, seg.stop)]
-        if slots and not torch.compiler.is_compiling():
+        buffers = self._buffers[(seg.start, seg.stop)]
+        if buffers.slots and not torch.compiler.is_compiling():
             # (under torch.compile, AOTAutograd applies a buffer mutation once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
-                return _BuffersWrittenOnce(slots).pair()
+                return _BuffersWrittenOnce(buffers).pair()
 
             options["context_fn"] = context_fn
         if torch.compiler.is_compiling():
