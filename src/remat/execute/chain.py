@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import copy
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -166,6 +167,15 @@ def planned_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
     return False, step_state(model)[1]
 
 
+NOT_PICKLED = (
+    "This planned module was unpickled: remat.auto's re-plan (a closure over the model, its "
+    "loss_fn, the optimizer and the capture) is not saved with it. Call remat.auto(loaded.model, "
+    "batch, ...) again to plan for these inputs (or save planned.state_dict() and plan the "
+    "rebuilt model)."
+)
+"""What a pickled planned module says where it would need :func:`remat.auto`'s re-plan."""
+
+
 class SignaturePlans:
     """What a planned module runs for each input signature: the one place (chain and graph
     executors) where a training call with new input shapes is re-planned or refused.
@@ -204,6 +214,27 @@ class SignaturePlans:
         self.cache: dict[Any, Any] = {}
         self.set(signature, current)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(planned)``, ``copy.deepcopy`` excepted: it keeps the state
+        whole) without :func:`remat.auto`'s ``replan``, a closure over the model, its
+        ``loss_fn``, the optimizer and the capture that pickle cannot save: the loaded module
+        runs the plans it has (one per input signature and step state seen), and a training
+        call that would need a new one raises :class:`SignatureMismatchError` saying
+        :data:`NOT_PICKLED`. Another ``replan`` (given to :func:`remat.apply`) is pickled as it
+        is."""
+        state = self.__dict__.copy()
+        if self.stateful:  # remat.auto's re-plan
+            state["replan"] = None
+            state["what_to_do"] = NOT_PICKLED
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SignaturePlans:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
     def _key(self, signature: tuple, state: Any) -> Any:
         return (signature, state) if self.stateful else signature
 
@@ -226,11 +257,17 @@ class SignaturePlans:
             if cached is not None:
                 self.current, self.signature, self.key = cached, sig, key
             elif self.replan is None:
+                what = (
+                    f"inputs {_describe_signature(self.signature)} but the model was called with "
+                    f"{_describe_signature(sig)}"
+                    if sig != self.signature
+                    else "another training state (which parameters train, or gradients already "
+                    "held at the forward's start: accumulation, no zero_grad(set_to_none=True))"
+                )
                 raise SignatureMismatchError(
-                    "this plan was made for inputs "
-                    f"{_describe_signature(self.signature)} but the model was called with "
-                    f"{_describe_signature(sig)}; memory and time of a plan depend on the batch "
-                    f"shape, so remat does not run it on other sizes. {self.what_to_do}"
+                    f"this plan was made for {what}; memory and time of a plan depend on the "
+                    f"batch shape and on the gradients held, so remat does not run it there. "
+                    f"{self.what_to_do}"
                 )
             else:
                 token = _REPLANNING_STATE.set(state)
