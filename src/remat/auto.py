@@ -50,7 +50,7 @@ from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
 from remat.core.errors import UnsupportedModelError
 from remat.core.plan import Plan
-from remat.core.step import LOOPS, StepCosts, check_loop, output_held_bytes
+from remat.core.step import LOOPS, StepCosts, check_loop, criterion_costs, output_held_bytes
 from remat.core.units import format_bytes, parse_bytes, resolve_budget
 from remat.execute.chain import (
     _describe_signature,
@@ -121,6 +121,10 @@ class AutoSummary:
     or ``"loss-only"``; None where the model output is not modelled."""
     output_held_bytes: int = 0
     """Bytes of the model output the assumed loop keeps through the step (in the peaks)."""
+    criterion_bytes: int = 0
+    """The bound counted at the loss for a criterion the loop applies to the output and remat
+    did not see (no ``loss_fn``: :attr:`remat.core.step.StepCosts.criterion_peak_bytes`; 0 where
+    the captured loss is the loop's)."""
     fake: bool = False
     """True when the costs were captured under fake tensors (``auto(..., fake=True)``: no
     eager step run, times from the calibrated cost model of :mod:`remat.measure.calibration`)."""
@@ -140,6 +144,7 @@ class AutoSummary:
         loop: str | None = None,
         output_held_bytes: int = 0,
         fake: bool = False,
+        criterion_bytes: int = 0,
     ) -> AutoSummary:
         """The summary of ``plan`` from its simulation ``sim`` and the unplanned one ``none``
         (chain or graph simulations: both have ``peak_bytes`` and ``total_time``)."""
@@ -158,6 +163,7 @@ class AutoSummary:
             loop=loop,
             output_held_bytes=output_held_bytes,
             fake=fake,
+            criterion_bytes=criterion_bytes,
         )
 
     @property
@@ -206,6 +212,11 @@ class AutoSummary:
         if self.loop == "output-held":
             text += f"; {format_bytes(self.output_held_bytes)} counted all step"
             text += " (loop='loss-only' if your loop keeps only the loss)"
+        if self.criterion_bytes:
+            text += (
+                f"; {format_bytes(self.criterion_bytes)} counted at the loss for your criterion"
+                " on the output, which remat did not see (pass loss_fn to have it measured)"
+            )
         return text
 
 
@@ -409,14 +420,20 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     return result
 
 
-def _criterion_bytes(loss_fn: Any, batch: Any, captured: Any) -> int:
-    """What the loop's own criterion may save beside the held output, where remat did not
-    capture it (no ``loss_fn``, and no ``labels`` in a dict batch: a Hugging Face model given
-    labels computes its own loss, which the capture ran): the largest output tensor's bytes
-    (:func:`remat.core.step.output_held_bytes`)."""
-    if loss_fn is not None or (isinstance(batch, Mapping) and batch.get("labels") is not None):
-        return 0
-    return captured.largest_output_bytes
+def _criterion(loss_fn: Any, batch: Any, captured: Any, loop: str) -> dict[str, int]:
+    """The :class:`~remat.core.step.StepCosts` fields of the loop's own criterion where remat
+    did not capture it (no ``loss_fn``, no ``labels`` in a dict batch, no ``.loss`` in the
+    output: a model that computes its own loss, a Hugging Face model given labels, ran it in
+    the capture): an upper bound over the common criteria applied to the largest output tensor
+    (:func:`remat.core.step.criterion_costs`)."""
+    if (
+        loss_fn is not None
+        or (isinstance(batch, Mapping) and batch.get("labels") is not None)
+        or captured.output_has_loss
+    ):
+        return {}
+    peak, grad = criterion_costs(loop, captured.largest_output_bytes)
+    return {"criterion_peak_bytes": peak, "output_grad_bytes": grad}
 
 
 def _auto_graph(
@@ -455,14 +472,13 @@ def _auto_graph(
             grad_bytes=tuple(grads),
             optimizer_step_bytes=step_now,
             grads_live=live,
-            output_held_bytes=output_held_bytes(
-                loop, trace.output_bytes, _criterion_bytes(loss_fn, batch, trace)
-            ),
+            output_held_bytes=output_held_bytes(loop, trace.output_bytes),
             input_bytes=trace.graph.input_bytes,
             slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
             # the graph executor's RNG states: one per random call in a checkpointed segment
             checkpoint_state_bytes=checkpoint_state_bytes(),
             checkpoint_states="per-random-call",
+            **_criterion(loss_fn, batch, trace, loop),
         )
 
     def plan_traced(
@@ -519,6 +535,7 @@ def _auto_graph(
         loop=loop,
         output_held_bytes=costs_of(trace).output_held_bytes,
         fake=bool(options),
+        criterion_bytes=costs_of(trace).criterion_peak_bytes,
     )
     return planned, summary
 
@@ -718,12 +735,11 @@ def auto(
             grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
             optimizer_step_bytes=step_now,
             grads_live=live,
-            output_held_bytes=output_held_bytes(
-                loop, new.output_bytes, _criterion_bytes(loss_fn, batch, new)
-            ),
+            output_held_bytes=output_held_bytes(loop, new.output_bytes),
             input_bytes=new.chain.input_bytes,
             slack_bytes=slack,
             checkpoint_state_bytes=checkpoint_state_bytes(),
+            **_criterion(loss_fn, batch, new, loop),
         )
 
     def unplanned_peak(new: Captured) -> int:
@@ -803,6 +819,7 @@ def auto(
         loop=loop,
         output_held_bytes=costs_of(captured).output_held_bytes,
         fake=bool(capture_options),
+        criterion_bytes=costs_of(captured).criterion_peak_bytes,
     )
     return planned, summary
 

@@ -123,7 +123,11 @@ class Captured:
     holds the output keeps through the step (:class:`remat.core.step.StepCosts`)."""
     largest_output_bytes: int = 0
     """Bytes of the largest tensor of that output (the logits): what a criterion the loop
-    applies to it may save for its backward (:func:`remat.core.step.output_held_bytes`)."""
+    applies to it may save for its backward (:func:`remat.core.step.criterion_costs`)."""
+    output_has_loss: bool = False
+    """The output has its own ``.loss`` tensor (a Hugging Face model given labels, a model that
+    computes its criterion inside): the loss remat captured is the loop's, not the output's
+    sum, and no criterion of the loop's is left to count."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +394,7 @@ def _measure_chain(
     progress: bool,
     time_model: TimeModel | None = None,
     calls: Sequence[Callable[[Any], Any]] | None = None,
-) -> tuple[Chain, tuple[int, ...], int]:
+) -> tuple[Chain, tuple[int, ...], tuple[int, int, bool]]:
     """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
     measured by :func:`measure_compiled_stage`)."""
     from tqdm.auto import tqdm
@@ -411,7 +415,8 @@ def _measure_chain(
         p.grad = None
     costs: list[StageCost] = []
     outs: list[int] = []
-    held: list[tuple[int, int]] = []  # the model's output (what finish returns): all, largest
+    # the model's output (what finish returns): all, largest, whether it has its own .loss
+    held: list[tuple[int, int, bool]] = []
     x = a0
     n = split.n
     made: list[dict[int, int]] = []  # per stage, the storages its output has that are new
@@ -434,7 +439,8 @@ def _measure_chain(
                         if not held:
                             new = _keys(output_tensors(out))
                             kept = [v for key, v in new.items() if key not in skip]
-                            held.append((sum(kept), max(kept, default=0)))
+                            has_loss = isinstance(getattr(out, "loss", None), torch.Tensor)
+                            held.append((sum(kept), max(kept, default=0), has_loss))
                         return out
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]
@@ -509,7 +515,7 @@ def _measure_chain(
         time_unit="flop" if fake and time_model is None else "s",
         stages_fingerprint=split.fingerprint,
     )
-    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0)
+    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0, False)
 
 
 def measure_stage(

@@ -194,6 +194,9 @@ class GraphTrace:
     (:class:`remat.core.step.StepCosts`)."""
     largest_output_bytes: int = field(default=0)
     """Bytes of the largest tensor of that output (what a criterion on it may save)."""
+    output_has_loss: bool = field(default=False)
+    """The output has its own ``.loss`` tensor: the loss captured is the loop's
+    (:attr:`remat.capture.chain.Captured.output_has_loss`)."""
 
 
 def capture_graph(
@@ -342,6 +345,7 @@ class _State:
     dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
     output_bytes: int = 0  # the model's output (what a loop that holds it keeps)
     largest_output_bytes: int = 0  # its largest tensor (what a criterion on it may save)
+    output_has_loss: bool = False  # the output has its own .loss (the loop's criterion)
     batch_ids: set[int] = field(default_factory=set)
     born: dict[int, int] = field(default_factory=dict)  # no-grad storage -> the call making it
     died: dict[int, int] = field(default_factory=dict)  # ... -> recorded calls when it was freed
@@ -632,6 +636,7 @@ def _record(
             st.inside -= 1
             with torch._C.DisableTorchFunction():  # not a call of the model's: unrecorded
                 st.output_bytes, st.largest_output_bytes = _output_bytes(st, out)
+                st.output_has_loss = isinstance(getattr(out, "loss", None), torch.Tensor)
 
     counter = WorkCounter(time_model) if (costs and flops) else None
     tracker = StepTracker(timeline=False) if costs else None
@@ -1204,6 +1209,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         param_grad_bytes=tuple(param_grads),
         output_bytes=st.output_bytes,
         largest_output_bytes=st.largest_output_bytes,
+        output_has_loss=st.output_has_loss,
     )
 
 

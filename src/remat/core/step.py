@@ -16,6 +16,12 @@ activation timeline; this module adds what lives beside the activations:
   returns; so it is counted over the whole step. A loop that keeps only the loss
   (``loss = crit(model(x), y)``, ``loss = model(**batch).loss``, ``loss_fn(model, batch)``)
   holds nothing: 0;
+* **the loop's own criterion**, where remat captured another loss than the one the loop
+  computes (no ``loss_fn``: remat plans with the output's sum): ``criterion_peak_bytes``, its
+  highest bytes beside the output, once at the end of the forward (where its forward and
+  backward run), and ``output_grad_bytes``, the output's gradient its backward makes, from then
+  to the end of the model's first backward operation (the last stage's or node's, after any
+  recomputation of it): :func:`criterion_costs`, an upper bound over :data:`CRITERIA`;
 * the optimizer step, the step's last phase: persistent state, every gradient, the batch
   (``input_bytes``), the held output and ``optimizer_step_bytes`` of the step's temporaries.
 
@@ -44,6 +50,9 @@ __all__ = [
     "segment_state_bytes",
     "output_held_bytes",
     "check_loop",
+    "CRITERIA",
+    "CRITERION_PEAK_OUTPUTS",
+    "criterion_costs",
 ]
 
 LOOPS: dict[str, str] = {
@@ -80,16 +89,55 @@ def check_loop(loop: str) -> str:
     return loop
 
 
-def output_held_bytes(loop: str, model_output_bytes: int, criterion_bytes: int = 0) -> int:
-    """Bytes of the model's output that ``loop`` keeps alive beside the step's activations.
+CRITERIA: dict[str, int] = {
+    "F.cross_entropy(out, y) (class indices, probabilities, label smoothing)": 3,
+    "F.nll_loss(F.log_softmax(out, -1), y)": 3,
+    "F.kl_div(F.log_softmax(out, -1), p)": 4,
+    "F.mse_loss(out, t)": 2,
+    "(out - t).pow(2).mean()": 5,
+    "out.pow(2).mean(), (out ** 2).mean(), (out * out).mean()": 4,
+    "F.l1_loss(out, t), out.abs().mean()": 4,
+    "F.smooth_l1_loss(out, t), F.huber_loss(out, t)": 2,
+    "F.binary_cross_entropy_with_logits(out, t)": 2,
+    "F.binary_cross_entropy(out.sigmoid(), t)": 4,
+    "out.sum(), out.mean(), out.norm()": 2,
+}
+"""Criteria a training loop applies to the model's output, and the most bytes each holds beside
+that output while its forward and backward run, in output-sized tensors (the output's own
+dtype; the output's gradient included, which the backward then passes to the model), measured
+with the allocator's events on the CPU (``tests/test_step_criteria.py`` checks every entry):
+cross-entropy's log-softmax, the gradient of its negative log-likelihood and the logits'
+gradient are 3; a squared error by hand saves the difference, and its backward makes the mean's
+gradient, the power's derivative and its product. Not covered: a criterion autocast runs in a
+wider dtype than the output's (float32 for bfloat16 logits), or one that makes more
+output-sized temporaries than these; pass ``loss_fn`` then (its memory is measured)."""
 
-    ``criterion_bytes``: where remat planned with its default loss (a sum) while the loop
-    applies its own criterion to the held output, what that criterion saves for its backward
-    (cross-entropy's log-softmax: the size of the largest output tensor, the logits), which the
-    captured sum does not have; 0 where the captured loss is the loop's own."""
+CRITERION_PEAK_OUTPUTS = max(CRITERIA.values())
+"""The most output-sized tensors any of :data:`CRITERIA` holds at once: the bound
+:func:`criterion_costs` counts for a criterion remat did not see."""
+
+
+def output_held_bytes(loop: str, model_output_bytes: int) -> int:
+    """Bytes of the model's output that ``loop`` keeps alive beside the step's activations
+    (the criterion the loop applies to it: :func:`criterion_costs`)."""
     if check_loop(loop) != "output-held":
         return 0
-    return model_output_bytes + criterion_bytes
+    return model_output_bytes
+
+
+def criterion_costs(loop: str, largest_output_bytes: int) -> tuple[int, int]:
+    """``(criterion_peak_bytes, output_grad_bytes)`` of :class:`StepCosts` for a loop whose
+    criterion remat did not capture (planned with the output's sum, no ``loss_fn``), applied to
+    the largest tensor of the output (the logits, ``largest_output_bytes``): at most
+    :data:`CRITERION_PEAK_OUTPUTS` of it at the end of the forward (:data:`CRITERIA`; with
+    ``loop="loss-only"`` the output itself too, which the criterion may save and the loop does
+    not hold), and one of it, the output's gradient, until the model's first backward has read
+    it. ``(0, 0)`` where the captured loss is the loop's own: pass 0 then."""
+    check_loop(loop)
+    if largest_output_bytes <= 0:
+        return 0, 0
+    output = largest_output_bytes if loop == "loss-only" else 0
+    return CRITERION_PEAK_OUTPUTS * largest_output_bytes + output, largest_output_bytes
 
 
 class StepEvent(NamedTuple):
@@ -135,6 +183,14 @@ class StepCosts:
     saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
     side and passed in as a number; :func:`step_peak` counts it for each checkpointed segment
     from the segment's forward to its backward (:func:`segment_state_bytes`)."""
+    criterion_peak_bytes: int = 0
+    """A criterion the loop applies to the output and remat did not capture
+    (:func:`criterion_costs`): its highest bytes, counted once at the end of the forward (the
+    timeline's last event before its first backward or recomputation)."""
+    output_grad_bytes: int = 0
+    """That criterion's gradient of the output, counted from the end of the forward through the
+    timeline's first backward event (the model's first backward, which reads it; a
+    recomputation before it included)."""
     checkpoint_states: str = "per-segment"
     """How many of those states the executor keeps (:data:`CHECKPOINT_STATES`):
     ``"per-segment"``, one per checkpointed segment (torch's checkpoint: the chain executor), or
@@ -159,8 +215,9 @@ class StepCosts:
                 f"checkpoint_states must be one of {sorted(CHECKPOINT_STATES)}, got "
                 f"{self.checkpoint_states!r}"
             )
-        if self.output_held_bytes < 0:
-            raise ValueError(f"output_held_bytes must be >= 0, got {self.output_held_bytes}")
+        for name in ("output_held_bytes", "criterion_peak_bytes", "output_grad_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def held_bytes(self) -> int:
@@ -195,6 +252,8 @@ def step_peak(
             e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
             for e, b in zip(timeline, states, strict=True)
         ]
+    if costs.criterion_peak_bytes or costs.output_grad_bytes:
+        timeline = _with_criterion(timeline, costs)
     grads_of = costs.grad_bytes
     rise = costs.grad_rise_bytes or grads_of
     held = costs.held_bytes
@@ -218,6 +277,35 @@ def step_peak(
                 continue
             peak = max(peak, held + grads + e.peak_bytes)
     return max(peak, costs.optimizer_phase_bytes)
+
+
+def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEvent]:
+    """``timeline`` with the uncaptured criterion (:attr:`StepCosts.criterion_peak_bytes`, one
+    event after the forward's last, at its live bytes) and the output's gradient
+    (:attr:`StepCosts.output_grad_bytes`, on every event from there through the first
+    backward; after that backward it is freed) added. The forward ends at the last event before
+    the first backward or the first forward of an index already run (a recomputation)."""
+    seen: set[int] = set()
+    end = -1
+    for i, e in enumerate(timeline):
+        if e.backward or e.index in seen:
+            break
+        seen.add(e.index)
+        end = i
+    if end < 0:
+        return timeline
+    last = timeline[end]
+    grad = costs.output_grad_bytes
+    out = timeline[: end + 1]
+    out.append(last._replace(peak_bytes=last.live_bytes + costs.criterion_peak_bytes))
+    after = iter(timeline[end + 1 :])
+    for e in after:
+        if e.backward:
+            out.append(e._replace(peak_bytes=e.peak_bytes + grad))
+            break
+        out.append(e._replace(peak_bytes=e.peak_bytes + grad, live_bytes=e.live_bytes + grad))
+    out.extend(after)
+    return out
 
 
 def segment_state_bytes(

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import copy
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -167,6 +168,15 @@ def planned_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
     return False, step_state(model)[1]
 
 
+NOT_PICKLED = (
+    "This planned module was unpickled: remat.auto's re-plan (a closure over the model, its "
+    "loss_fn, the optimizer and the capture) is not saved with it. Call remat.auto(loaded.model, "
+    "batch, ...) again to plan for these inputs (or save planned.state_dict() and plan the "
+    "rebuilt model)."
+)
+"""What a pickled planned module says where it would need :func:`remat.auto`'s re-plan."""
+
+
 class SignaturePlans:
     """What a planned module runs for each input signature: the one place (chain and graph
     executors) where a training call with new input shapes is re-planned or refused.
@@ -205,6 +215,27 @@ class SignaturePlans:
         self.cache: dict[Any, Any] = {}
         self.set(signature, current)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(planned)``, ``copy.deepcopy`` excepted: it keeps the state
+        whole) without :func:`remat.auto`'s ``replan``, a closure over the model, its
+        ``loss_fn``, the optimizer and the capture that pickle cannot save: the loaded module
+        runs the plans it has (one per input signature and step state seen), and a training
+        call that would need a new one raises :class:`SignatureMismatchError` saying
+        :data:`NOT_PICKLED`. Another ``replan`` (given to :func:`remat.apply`) is pickled as it
+        is."""
+        state = self.__dict__.copy()
+        if self.stateful:  # remat.auto's re-plan
+            state["replan"] = None
+            state["what_to_do"] = NOT_PICKLED
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SignaturePlans:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
     def _key(self, signature: tuple, state: Any) -> Any:
         return (signature, state) if self.stateful else signature
 
@@ -227,11 +258,17 @@ class SignaturePlans:
             if cached is not None:
                 self.current, self.signature, self.key = cached, sig, key
             elif self.replan is None:
+                what = (
+                    f"inputs {_describe_signature(self.signature)} but the model was called with "
+                    f"{_describe_signature(sig)}"
+                    if sig != self.signature
+                    else "another training state (which parameters train, or gradients already "
+                    "held at the forward's start: accumulation, no zero_grad(set_to_none=True))"
+                )
                 raise SignatureMismatchError(
-                    "this plan was made for inputs "
-                    f"{_describe_signature(self.signature)} but the model was called with "
-                    f"{_describe_signature(sig)}; memory and time of a plan depend on the batch "
-                    f"shape, so remat does not run it on other sizes. {self.what_to_do}"
+                    f"this plan was made for {what}; memory and time of a plan depend on the "
+                    f"batch shape and on the gradients held, so remat does not run it there. "
+                    f"{self.what_to_do}"
                 )
             else:
                 token = _REPLANNING_STATE.set(state)
@@ -255,27 +292,51 @@ def _buffer_slots(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
     return list(found.values())
 
 
+class _SegmentBuffers:
+    """A checkpointed segment's buffer slots and which of them its forwards were seen to write
+    (learned at its first forward, kept across steps: :class:`_BuffersWrittenOnce` copies only
+    those before the next forwards)."""
+
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
+        self.slots = list(slots)
+        self.written: set[int] | None = None
+        """Indices of ``slots`` a forward wrote (batch norm's running statistics left out);
+        None before the first forward."""
+
+
 class _BuffersWrittenOnce:
-    """A checkpoint's ``context_fn`` pair: buffers its forward writes are written once a step.
+    """A checkpoint's ``context_fn`` pair: buffers its forward writes are written once a step,
+    and its recomputation reads them as the forward did.
 
     A forward may update buffers: batch norm's running statistics, an exponential moving
-    average, a call counter (in place, or by assigning a new tensor to the buffer's name). The
-    forward context notes which buffers of the segment the forward wrote (version counter or
-    identity changed); during a recomputation those buffers are throw-away copies, so the real
-    ones keep the forward's single update. (The recomputation reads the values the forward left,
-    which a train-mode output does not depend on for batch norm: it uses batch statistics.)
-    Copies, not ``track_running_stats=False``, keep the recomputation's saved tensors identical
-    to the forward's: batch norm's backward node saves the running statistics as well.
+    average, a call counter, spectral norm's power-iteration vectors (in place, or by assigning
+    a new tensor to the buffer's name). The forward context keeps a copy of the buffers the
+    segment's forwards write from before the forward (at its first forward, of every buffer of
+    the segment, the unwritten ones dropped at its end) and notes which the forward wrote
+    (version counter or identity changed). A recomputation runs on throw-away copies of those
+    values, so the real buffers keep the forward's single update and the recomputation starts
+    where the forward started: spectral norm's recomputed power iteration gives the forward's
+    weight (starting from the updated vector gave gradients 1.9e-4 off). Batch norm's running
+    statistics are copied as the forward left them: a train-mode output does not depend on
+    them (batch statistics). Copies, not ``track_running_stats=False``, keep the
+    recomputation's saved tensors identical to the forward's: batch norm's backward node saves
+    the running statistics as well. The copies from before the forward live until the
+    segment's backward: the written buffers' bytes once per checkpointed segment (a moving
+    average's or spectral norm's vectors), which the step's prediction does not count.
 
     Re-enterable: torch enters a checkpoint's recompute context once per recomputation, and a
     segment is recomputed again by every backward that needs it (``backward(retain_graph=True)``
     twice, or the second backward of ``create_graph=True``).
     """
 
-    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
-        self.slots = slots
-        self.written: list[tuple[nn.Module, str]] = []
+    def __init__(self, segment: _SegmentBuffers) -> None:
+        self.segment = segment
+        self.slots = segment.slots
+        self.written: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+        """Each buffer the forward wrote, with its values from before it (None: the forward's
+        values are replayed, batch norm's running statistics)."""
         self._before: list[tuple[Any, int]] = []
+        self._copies: dict[int, torch.Tensor] = {}
         self._entries: list[list[tuple[nn.Module, str, Any]]] = []
 
     def pair(self) -> tuple[Any, Any]:
@@ -283,10 +344,10 @@ class _BuffersWrittenOnce:
 
     def __enter__(self) -> None:
         saved = []
-        for m, name in self.written:
+        for m, name, before in self.written:
             b = m._buffers[name]
             saved.append((m, name, b))
-            m._buffers[name] = b.clone()
+            m._buffers[name] = (b if before is None else before).clone()
         self._entries.append(saved)
 
     def __exit__(self, *exc: object) -> None:
@@ -295,26 +356,49 @@ class _BuffersWrittenOnce:
 
 
 class _WriteWatch:
-    """The forward side of :class:`_BuffersWrittenOnce`: notes the buffers the forward writes."""
+    """The forward side of :class:`_BuffersWrittenOnce`: copies the buffers the forward may
+    write, notes those it writes."""
 
     def __init__(self, guard: _BuffersWrittenOnce) -> None:
         self.guard = guard
 
     def __enter__(self) -> None:
-        self.guard._before = [
-            (b, b._version) for b in (m._buffers.get(n) for m, n in self.guard.slots)
-        ]
+        guard = self.guard
+        known = guard.segment.written
+        guard._before = [(b, b._version if b is not None else 0) for b in self._now()]
+        with torch.no_grad():
+            guard._copies = {
+                i: b.clone()
+                for i, ((m, n), (b, _)) in enumerate(zip(guard.slots, guard._before, strict=True))
+                if b is not None and not _running_stat(m, n) and (known is None or i in known)
+            }
 
     def __exit__(self, *exc: object) -> None:
         guard = self.guard
-        guard.written = [
-            (m, n)
-            for (m, n), (b, version) in zip(guard.slots, guard._before, strict=True)
-            if m._buffers.get(n) is not b
-            or (b is not None and b._version != version)
-            or _running_stat(m, n)
+        written = [
+            i
+            for i, ((m, n), (b, version), now) in enumerate(
+                zip(guard.slots, guard._before, self._now(), strict=True)
+            )
+            if now is not b or (b is not None and b._version != version) or _running_stat(m, n)
         ]
-        guard._before = []
+        guard.written = []
+        for i in written:
+            m, n = guard.slots[i]
+            before: torch.Tensor | None = None
+            if not _running_stat(m, n):
+                b, version = guard._before[i]
+                before = guard._copies.get(i)
+                if before is None and b is not None and b._version == version:
+                    before = b  # reassigned, the old tensor untouched: it is the value before
+            guard.written.append((m, n, before))
+        seen = {i for i in written if not _running_stat(*guard.slots[i])}
+        known = guard.segment.written
+        guard.segment.written = seen if known is None else known | seen
+        guard._before, guard._copies = [], {}
+
+    def _now(self) -> list[Any]:
+        return [m._buffers.get(n) for m, n in self.guard.slots]
 
 
 _RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
@@ -349,11 +433,11 @@ class _Executor:
         self.stages = stages
         self.plan = plan
         self.early_stop = early_stop
-        self._buffers: dict[tuple[int, int], list[tuple[nn.Module, str]]] = {}
+        self._buffers: dict[tuple[int, int], _SegmentBuffers] = {}
         for seg in plan.walk():
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
-                self._buffers[(seg.start, seg.stop)] = _buffer_slots(mods)
+                self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(_buffer_slots(mods))
         self.compiled: tuple[Callable[[Any], Any], ...] | None = None
         self._compiled_once = False
         if compile_options is not None:
@@ -404,13 +488,13 @@ class _Executor:
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if not self.early_stop:
             options["early_stop"] = False
-        slots = self._buffers[(seg.start, seg.stop)]
-        if slots and not torch.compiler.is_compiling():
+        buffers = self._buffers[(seg.start, seg.stop)]
+        if buffers.slots and not torch.compiler.is_compiling():
             # (under torch.compile of the planned module, AOTAutograd applies a buffer mutation
             # once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
-                return _BuffersWrittenOnce(slots).pair()
+                return _BuffersWrittenOnce(buffers).pair()
 
             options["context_fn"] = context_fn
         if torch.compiler.is_compiling():

@@ -666,7 +666,8 @@ class _Run(TorchFunctionMode):
         calls = self.program.calls
         k = self.k
         spec = calls[k] if k < len(calls) else None
-        if spec is None or spec.func is not func:
+        # (a property's __get__ is a new method-wrapper at each access: equal, not identical)
+        if spec is None or (spec.func is not func and spec.func != func):
             out = func(*args, **kwargs)
             outs = _tensors(out)
             if is_tensor_call(func, outs, ()) and not in_transform(outs):

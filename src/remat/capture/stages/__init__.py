@@ -66,6 +66,7 @@ tried in order).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -108,11 +109,11 @@ def split_stages(model: nn.Module, stages: Sequence[str] | None = None) -> Stage
             )
         names = list(stages)
         result = split_named(model, names)
-        return replace(result, split_again=lambda: split_stages(model, names))
+        return replace(result, split_again=functools.partial(split_stages, model, names))
     for splitter in FAMILIES:
         result = splitter(model)
         if result is not None:
-            return replace(result, split_again=lambda: split_stages(model))
+            return replace(result, split_again=functools.partial(split_stages, model))
     raise UnsupportedModelError(
         f"remat does not know how to cut a {type(model).__module__}.{type(model).__qualname__} "
         f"into stages. {SUPPORTED_HELP}"
