@@ -343,16 +343,23 @@ class Pointwise(nn.Module):
 
 
 def test_capture_times_the_compiled_stages() -> None:
-    # inductor fuses the pointwise stage into one kernel: its captured forward is the compiled
-    # one, several times faster than eager's (measured about 10x), and positive
+    # the captured times are the compiled stages' (inductor fuses the pointwise stage into one
+    # kernel, about 10x faster than eager: a speed, so measured in benchmarks, not asserted
+    # here): every stage is compiled once, as its own graph, and timed
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), Pointwise(), nn.Linear(256, 8))
     x = torch.randn(4096, 256)
-    eager = capture(model, x, stages=["0", "1", "2"]).chain
-    compiled = capture(model, x, stages=["0", "1", "2"], compile={}).chain
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = capture(model, x, stages=["0", "1", "2"], compile={}).chain
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 3, dict(counters["stats"])
     assert all(t > 0 for t in [*compiled.fwd_time, *compiled.bwd_time])
-    assert compiled.fwd_time[1] < 0.5 * eager.fwd_time[1], (compiled.fwd_time, eager.fwd_time)
-    assert compiled.bwd_time[1] < 0.5 * eager.bwd_time[1], (compiled.bwd_time, eager.bwd_time)
 
 
 def test_graph_path_refuses_compile_and_torch_compile_runs_it_eagerly() -> None:
