@@ -421,7 +421,7 @@ class _Recorder(TorchFunctionMode):
         versions = [_version(t) for t in ins]
         index = len(st.calls)
         rec = _Rec(index, func, _op_name(func), st.scope(), st.group(index), st.inside > 0)
-        rec.arg_keys = frozenset(_key(st, t) for t in ins)
+        rec.arg_keys = frozenset(_key(st, t) for t in ins if not in_transform(t))
         memory = st.memory
         before = memory.mark() if memory is not None else -1
         flops0 = _total_flops(self.flops)
