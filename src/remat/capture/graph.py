@@ -1272,7 +1272,7 @@ def _held_until(
         if last_reader[v] < 0 or not watched:  # a sink (the loss reads it), or not seen
             held.append(None)
             continue
-        let_go = max(st.released.get(k, len(st.calls)) for k in watched)
+        let_go = max(st.released[k] if not st.holders[k] else len(st.calls) for k in watched)
         started = bisect.bisect_left(starts, let_go)  # nodes whose first call ran before
         w = latest[started - 1] if started else -1
         held.append(w if w > last_reader[v] else None)
