@@ -177,10 +177,34 @@ MILP_GRAPHS = (
     ]
     + [(f"dag{s}", random_dag(3 + s % 5, s)) for s in range(9)]
     + [(f"free{s}", random_dag(4 + s % 5, 100 + s, free_outputs=True)) for s in range(8)]
+    + [
+        (f"held{s}", random_dag(4 + s % 4, s, free_outputs=s % 2 == 1, held_outputs=True))
+        for s in (253, 335, 365, 371, 392, 393)  # of seeds 200..399, those where held matters
+    ]
 )
 """``free{s}``: about half of the nodes do not keep their own output (Node.keeps_output; a
 convolution whose output the next batch norm saves); the MILP models when such an output, or
-its recomputed copy, dies. Checked on 160 more such graphs at 5 budgets each while writing."""
+its recomputed copy, dies. Checked on 160 more such graphs at 5 budgets each while writing.
+``held{s}``: outputs the program holds past their last reader (Node.held_until: ``h`` in
+``h = block(h) * mask``), counted by the MILP in the forward stages up to that node's; the
+seeds are those of 200..399 where some plan's peak depends on it (test below)."""
+
+
+def test_held_outputs_change_some_plans_of_the_held_graphs() -> None:
+    for name, graph in MILP_GRAPHS:
+        if not name.startswith("held"):
+            continue
+        bare = Graph(
+            tuple(replace(node, held_until=None) for node in graph.nodes), graph.input_bytes
+        )
+        pairs = [
+            tuple(
+                simulate_graph(g, GraphPlan.from_segments(segs)).peak_bytes for g in (graph, bare)
+            )
+            for segs in run_plans(graph.n)
+        ]
+        assert all(held >= free for held, free in pairs), name
+        assert any(held > free for held, free in pairs), name
 
 
 @pytest.mark.parametrize("name,graph", MILP_GRAPHS, ids=[n for n, _ in MILP_GRAPHS])
@@ -289,12 +313,19 @@ def test_checkmate_options_and_defaults() -> None:
 
 def random_block_graph(seed: int) -> Graph:
     """Random DAG blocks joined at single nodes (so the joins are cut points); on odd seeds
-    about half of the nodes do not keep their own output (Node.keeps_output)."""
+    about half of the nodes do not keep their own output (Node.keeps_output), on seeds 2 and 3
+    mod 4 about half of the outputs are held by the program past their last reader, inside
+    their block (Node.held_until)."""
     rng = random.Random(seed)
     nodes: list[Node] = []
     prev = None
     for b in range(rng.randint(2, 5)):
-        block = random_dag(rng.randint(1, 5), rng.randint(0, 10**6), free_outputs=seed % 2 == 1)
+        block = random_dag(
+            rng.randint(1, 5),
+            rng.randint(0, 10**6),
+            free_outputs=seed % 2 == 1,
+            held_outputs=seed % 4 >= 2,
+        )
         off = len(nodes)
         for node in block.nodes:
             inputs = tuple(u + off for u in node.inputs) or ((prev,) if prev is not None else ())
@@ -312,6 +343,7 @@ def random_block_graph(seed: int) -> Graph:
                     node.bwd_overhead_bytes,
                     saved,
                     node.keeps_output,
+                    held_until=None if node.held_until is None else node.held_until + off,
                 )
             )
         prev = len(nodes) - 1
@@ -341,7 +373,8 @@ def random_chain_plan(n: int, rng: random.Random) -> Plan:
 def test_cut_points_definition() -> None:
     for seed in range(20):
         g = random_block_graph(seed)
-        expected = [v for v in range(g.n - 1) if not any(u < v < w for u, w in g.edges())]
+        held = [(u, node.held_until) for u, node in enumerate(g.nodes) if node.held_until]
+        expected = [v for v in range(g.n - 1) if not any(u < v < w for u, w in g.edges() + held)]
         assert cut_points(g) == expected
 
 

@@ -29,6 +29,11 @@ the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls 
   ``Graph.input_bytes`` with the batch, the others, from the call that makes them to the
   moment they are freed, are ``Graph.constants`` (:class:`~remat.core.graph.Constant`).
   Nodes from which the loss cannot be reached are dropped.
+* a node's output that the program holds after its last reader (``h`` in
+  ``h = block(h) * mask`` lives until the multiplication returns) gets
+  :attr:`Node.held_until <remat.core.graph.Node.held_until>`: the last node whose first call
+  ran before the output's last tensor object died. Autograd keeps the storages of saved
+  tensors, so the pack hook hands it an alias, not the program's object.
 
 Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
 
@@ -85,6 +90,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 import time
 import warnings
@@ -303,6 +309,7 @@ class _Rec:
     group: tuple[Any, ...]
     inside: bool
     in_keys: list[int] = field(default_factory=list)
+    arg_keys: frozenset[int] = frozenset()  # the inputs' storages, before the call
     out_keys: list[int] = field(default_factory=list)
     new: list[bool] = field(default_factory=list)
     mutated: tuple[int, ...] = ()
@@ -350,6 +357,12 @@ class _State:
     born: dict[int, int] = field(default_factory=dict)  # no-grad storage -> the call making it
     died: dict[int, int] = field(default_factory=dict)  # ... -> recorded calls when it was freed
     finalizers: list[weakref.finalize] = field(default_factory=list)
+    # node outputs: the tensor objects the program holds (storage -> objects alive), and when
+    # the last of them died (-> recorded calls by then); autograd keeps the storages of saved
+    # tensors, so a storage finaliser cannot see the program let go of them
+    holders: dict[int, int] = field(default_factory=dict)
+    released: dict[int, int] = field(default_factory=dict)
+    watched: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def scope(self) -> str:
         if not self.inside:
@@ -412,6 +425,7 @@ class _Recorder(TorchFunctionMode):
         versions = [_version(t) for t in ins]
         index = len(st.calls)
         rec = _Rec(index, func, _op_name(func), st.scope(), st.group(index), st.inside > 0)
+        rec.arg_keys = frozenset(_key(st, t) for t in ins if not in_transform(t))
         memory = st.memory
         before = memory.mark() if memory is not None else -1
         flops0 = _total_flops(self.flops)
@@ -456,6 +470,15 @@ class _Recorder(TorchFunctionMode):
                     st.finalizers.append(
                         weakref.finalize(t.untyped_storage(), _freed, st.died, st.calls, key)
                     )
+        else:  # a node's: when does the program let go of its outputs? (Node.held_until)
+            for t, key in zip(outs, rec.out_keys, strict=True):
+                if key in st.fixed or key in st.batch_keys or t in st.watched:
+                    continue
+                st.watched[t] = True
+                st.holders[key] = st.holders.get(key, 0) + 1
+                st.finalizers.append(
+                    weakref.finalize(t, _let_go, st.holders, st.released, st.calls, key)
+                )
         if rec.requires_grad and torch.is_grad_enabled():
             _claim_grad_fns(st, changed, index)
         return out
@@ -573,6 +596,14 @@ def _freed(died: dict[int, int], calls: list[_Rec], key: int) -> None:
     died.setdefault(key, len(calls))
 
 
+def _let_go(holders: dict[int, int], released: dict[int, int], calls: list[_Rec], key: int) -> None:
+    """A tensor object of a node's output died: when it was the storage's last, note how many
+    calls had been recorded by then."""
+    holders[key] -= 1
+    if not holders[key]:
+        released[key] = len(calls)
+
+
 def _claim_grad_fns(st: _State, tensors: list[torch.Tensor], index: int) -> None:
     """Assign the autograd functions this call created (reachable from its outputs through
     functions no earlier call owns) to the call."""
@@ -615,6 +646,12 @@ def _record(
             st.stray_saves += 1
         else:
             st.current.saves.append((key, _nbytes(t)))
+        # autograd is to keep the storage, not the program's tensor object (the pack hook is
+        # handed that object): for a node's output, the object's death is the program letting
+        # go (st.released). An input that is no node output is kept as it is: MemTracker would
+        # count an alias of a storage no op made (a label tensor the loss holds) as new bytes.
+        if key in st.holders or (st.current is not None and key not in st.current.arg_keys):
+            return t.detach()
         return t
 
     def pre_hook(module: nn.Module, args: Any) -> None:
@@ -1169,8 +1206,11 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     for rec in calls:
         if rec.random and rec.inside and call_node[rec.index] is not None:
             random_calls[call_node[rec.index]] += 1
+    held = _held_until(
+        st, [[k for k in outs[x] if find(owner[k]) == x] for x in final], node_calls, graph_nodes
+    )
     graph_nodes = [
-        replace(node, keeps_output=own[v], random_calls=random_calls[v])
+        replace(node, keeps_output=own[v], random_calls=random_calls[v], held_until=held[v])
         for v, node in enumerate(graph_nodes)
     ]
     batch_bytes = sum(st.batch_keys.values())
@@ -1211,6 +1251,38 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         largest_output_bytes=st.largest_output_bytes,
         output_has_loss=st.output_has_loss,
     )
+
+
+def _held_until(
+    st: _State,
+    out_keys: list[list[int]],
+    node_calls: list[tuple[int, ...]],
+    nodes: list[Node],
+) -> list[int | None]:
+    """Per node, the last node whose first forward runs while the program still holds the
+    node's output (:attr:`Node.held_until`), when that is after its last reader: a variable
+    reassigned only after a later call, as ``h`` in ``h = block(h) * mask``. The program
+    holds a storage while one of its tensor objects lives (``st.released``: the calls recorded
+    when the last died; one still alive at the end is held through the last node)."""
+    n = len(nodes)
+    last_reader = [-1] * n
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            last_reader[u] = max(last_reader[u], v)
+    by_first = sorted((min(c), v) for v, c in enumerate(node_calls))
+    starts = [c for c, _ in by_first]
+    latest = list(itertools.accumulate((v for _, v in by_first), max))
+    held: list[int | None] = []
+    for v, keys in enumerate(out_keys):
+        watched = [k for k in keys if k in st.holders]
+        if last_reader[v] < 0 or not watched:  # a sink (the loss reads it), or not seen
+            held.append(None)
+            continue
+        let_go = max(st.released[k] if not st.holders[k] else len(st.calls) for k in watched)
+        started = bisect.bisect_left(starts, let_go)  # nodes whose first call ran before
+        w = latest[started - 1] if started else -1
+        held.append(w if w > last_reader[v] else None)
+    return held
 
 
 def _constants(

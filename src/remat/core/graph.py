@@ -96,6 +96,14 @@ class Node:
     """Random calls (dropout: ops tagged ``nondeterministic_seeded``) the node's forward makes;
     the graph executor saves an RNG state for each inside a checkpointed segment
     (:func:`remat.core.simulate.graph_step_peak`). Not part of the fingerprint."""
+    held_until: int | None = None
+    """The last node during whose first forward the model's program still holds this node's
+    output after its last reader is done, or ``None`` (freed by its readers). In
+    ``h = block(h) * mask`` the previous ``h`` is read by ``block`` yet lives until the
+    multiplication returns and ``h`` is reassigned: a checkpointed ``h`` is not freed when
+    ``block`` is done. Only the first forward: a recomputation is the executor's replay, which
+    frees by readers. The capture sets it from the death of the output's last tensor object
+    (:mod:`remat.capture.graph`); :class:`Graph` checks that it names a later node."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -119,6 +127,10 @@ class Node:
             raise TypeError(f"node {self.name!r}: random_calls must be an int")
         if self.random_calls < 0:
             raise ValueError(f"node {self.name!r}: random_calls = {self.random_calls} < 0")
+        if self.held_until is not None and (
+            isinstance(self.held_until, bool) or not isinstance(self.held_until, int)
+        ):
+            raise TypeError(f"node {self.name!r}: held_until must be a node index or None")
         if self.saved_bytes < self.out_bytes:
             raise ValueError(
                 f"node {self.name!r}: saved_bytes ({self.saved_bytes}) < out_bytes "
@@ -166,6 +178,8 @@ class Node:
             del data["keeps_output"]  # the default: graphs written before it read the same
         if not self.random_calls:
             del data["random_calls"]  # likewise
+        if self.held_until is None:
+            del data["held_until"]  # likewise
         return data
 
 
@@ -256,6 +270,11 @@ class Graph:
                         "earlier nodes (list the nodes in a topological order)"
                     )
                 consumers[u].append(v)
+            if node.held_until is not None and not v < node.held_until < len(nodes):
+                raise ValueError(
+                    f"node {v} ({node.name!r}): held_until = {node.held_until} must name a "
+                    f"later node (below {len(nodes)})"
+                )
         set_(self, "_consumers", tuple(tuple(c) for c in consumers))
         set_(self, "constants", tuple(self.constants))
         for c in self.constants:
@@ -364,12 +383,16 @@ class Graph:
     def is_chain(self) -> bool:
         """True when this is the path graph of a :class:`~remat.core.chain.Chain`
         (:meth:`from_chain`): a path whose backwards read their input and keep their output,
-        as the chain model assumes, with no :attr:`constants` (a chain has none)."""
+        as the chain model assumes, with no :attr:`constants` and no output held past its
+        reader (:attr:`Node.held_until`; a chain has neither)."""
         return (
             not self.constants
             and self.is_path()
             and all(
-                node.keeps_output and node.backward_inputs == node.inputs for node in self.nodes
+                node.keeps_output
+                and node.backward_inputs == node.inputs
+                and node.held_until is None
+                for node in self.nodes
             )
         )
 

@@ -23,6 +23,9 @@ The rules (``docs/graphs.md`` has them with an example):
   (``F_all``): it allocates ``saved_bytes`` (output + residual) and keeps them, plus the inputs
   its backward reads, until its backward. A node in a segment runs without grad (``F_none``):
   it allocates its output only. Peak during an op: live + ``fwd_overhead_bytes``.
+* A node's first-forward output is also kept through the first forward of its
+  ``held_until`` node (:attr:`Node.held_until <remat.core.graph.Node.held_until>`: the
+  program's variable still holds it), when that node runs later in ``order``.
 * A **segment** keeps the forward copies of its external inputs until its first node's
   backward (the non-reentrant checkpoint frame).
 * **Loss**: allocates one gradient per sink (``out_bytes``), then the outputs are released.
@@ -370,6 +373,13 @@ class _Lowering:
             self.const_last.setdefault(max(span, key=lambda x: self.pos[x]), []).append(tensor)
             for v in c.readers:
                 self.const_reads.setdefault(v, []).append(tensor)
+        # outputs the program holds past their last reader (Node.held_until): read by the
+        # first forward of that node, when it runs later
+        self.held_at: dict[int, list[Tensor]] = {}
+        for u, node in enumerate(graph.nodes):
+            w = node.held_until
+            if w is not None and self.pos[w] > self.pos[u]:
+                self.held_at.setdefault(w, []).append(("out", u, 0))
         for seg in plan.segments:
             self._index(seg, 0)
         for segs in self.recompute_at.values():
@@ -422,6 +432,7 @@ class _Lowering:
                 self.holds[v] = [*held, *(inputs[u] for u in node.backward_inputs)]
             reads.extend(self.const_reads.get(v, ()))
             if version == 0:
+                reads.extend(self.held_at.get(v, ()))
                 made = self.const_new.get(v, [])
                 allocs = [*made, *allocs]
                 reads.extend(self.const_last.get(v, ()))

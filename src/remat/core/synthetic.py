@@ -38,6 +38,7 @@ def random_dag(
     overheads: bool = True,
     single_sink: bool = True,
     free_outputs: bool = False,
+    held_outputs: bool = False,
 ) -> Graph:
     """A random DAG of ``n`` nodes with integer costs (reproducible by seed).
 
@@ -45,6 +46,8 @@ def random_dag(
     ones; with ``single_sink`` every node without a reader is given one later reader. With
     ``free_outputs`` about half of the nodes do not keep their own output for their backward
     (``Node.keeps_output``; drawn from a separate stream, the rest of the graph is unchanged).
+    With ``held_outputs`` about half of the nodes that have a reader and a later node after it
+    are held by the program until a later node's forward (``Node.held_until``; likewise).
     """
     rng = random.Random(seed)
     inputs: list[set[int]] = [set() for _ in range(n)]
@@ -83,6 +86,15 @@ def random_dag(
     if free_outputs:
         flags = random.Random(f"{seed}/keeps_output")
         nodes = [replace(node, keeps_output=flags.random() < 0.5) for node in nodes]
+    if held_outputs:
+        draw = random.Random(f"{seed}/held_until")
+        last = [max((w for w in range(n) if v in inputs[w]), default=n) for v in range(n)]
+        nodes = [
+            replace(node, held_until=draw.randint(last[v] + 1, n - 1))
+            if last[v] < n - 1 and draw.random() < 0.5
+            else node
+            for v, node in enumerate(nodes)
+        ]
     return Graph(tuple(nodes), input_bytes=input_bytes)
 
 

@@ -2,7 +2,8 @@
 Registered as ``articulation``.
 
 A node ``v`` is a **cut point** when no edge jumps over it in the node order (no ``u < v < w``
-with ``w`` reading ``u``): every later node depends on earlier ones only through ``v``'s output
+with ``w`` reading ``u``, nor an output held by the program until ``w``: ``Node.held_until``):
+every later node depends on earlier ones only through ``v``'s output
 (Checkmate's ``solve_chen_*`` uses the articulation points of the graph the same way; Chen et
 al.'s Alg. 3 takes them as its candidates). The cut points split the nodes into blocks, and the
 blocks form a :class:`~remat.core.chain.Chain` (:func:`block_chain`):
@@ -86,12 +87,13 @@ def cut_points(graph: Graph) -> list[int]:
     cuts = []
     reach = -1  # the farthest node read by any node before v
     for v, node in enumerate(graph.nodes):
-        del node
         if v < graph.n - 1 and reach <= v:
             cuts.append(v)
         consumers = graph.consumers(v)
         if consumers:
             reach = max(reach, consumers[-1])
+        if node.held_until is not None:
+            reach = max(reach, node.held_until)
     return cuts
 
 
@@ -123,17 +125,24 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
         for j in block:
             prefix += nodes[j].saved_bytes
             worst_all = max(worst_all, prefix + nodes[j].fwd_overhead_bytes)
-        # forward without grad: outputs still needed inside the block
+        # forward without grad: outputs still needed (or held by the program) inside the block
         last_read = {
-            j: max((w for w in graph.consumers(j) if w in inside), default=j) for j in block
+            j: max(
+                (w for w in (*graph.consumers(j), nodes[j].held_until) if w in inside), default=j
+            )
+            for j in block
         }
+        held_at: dict[int, list[int]] = {}
+        for j in block:
+            if last_read[j] == nodes[j].held_until:
+                held_at.setdefault(last_read[j], []).append(j)
         live, worst_none = 0, 0
         alive: dict[int, int] = {}
         for j in block:
             alive[j] = nodes[j].out_bytes
             live += nodes[j].out_bytes
             worst_none = max(worst_none, live + nodes[j].fwd_overhead_bytes)
-            for u in [*nodes[j].inputs, j]:
+            for u in [*nodes[j].inputs, j, *held_at.get(j, ())]:
                 if u in alive and u != last and last_read[u] <= j:
                     live -= alive.pop(u)
         fwd_oh.append(max(0, worst_all - saved, worst_none - nodes[last].out_bytes))

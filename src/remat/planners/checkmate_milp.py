@@ -40,6 +40,9 @@ node's forward copy is held only by the backwards that saved it, the checkpoints
 it at its first saving consumer (``z``) and, during the recomputation pass, lives while a later
 node of the run reads it (``y``). Exact against brute force like the rest.
 
+**Outputs the program holds** past their last reader (``Node.held_until``): the forward copy
+counts in every forward stage up to that node's, as in the simulator (both encodings).
+
 **LP relaxation + rounding** (``checkmate-lp``, Checkmate §5): solve the relaxation at 0.9 x
 the budget, round the recomputation decisions at thresholds 0.1..0.9 (and a few random ones),
 cut the recomputed runs where the LP ends segments, cost every candidate with the simulator
@@ -191,6 +194,12 @@ class _Model:
         self.inp = graph.input_bytes / q
         self.sinks = set(graph.sinks)
         self.maxcons = [max(graph.consumers(u), default=-1) for u in range(n)]
+        # the last forward stage that reads u's first-forward copy or runs while the program
+        # holds it (Node.held_until)
+        self.fwd_last = [
+            max(self.maxcons[u], -1 if node.held_until is None else node.held_until)
+            for u, node in enumerate(nodes)
+        ]
         # gradients are fixed by the backward order: live when stage T(v) starts / new in b_v
         self.grad_start = [
             sum(self.out[u] for u in range(v + 1) if u in self.sinks or self.maxcons[u] > v)
@@ -357,7 +366,7 @@ class StageModel(_Model):
                 self.col_CR[(c, i)] = self._new()
         self.col_S: dict[tuple[int, int], int] = {}
         for u in range(n):
-            need_fwd = self.L if u in sinks else maxcons[u]
+            need_fwd = self.L if u in sinks else self.fwd_last[u]
             for t in range(u + 1, self.T(u) + 1):
                 # (1b) a forward consumer or the loss reads it: kept until then
                 self.col_S[(t, u)] = self._new(lb=1.0 if t <= need_fwd else 0.0)
@@ -686,7 +695,7 @@ class RunModel(_Model):
             for u in range(t):
                 const += self.res[u]
                 coef[r[u]] = coef.get(r[u], 0.0) - self.res[u]
-                if u in self.sinks or t <= self.maxcons[u]:
+                if u in self.sinks or t <= self.fwd_last[u]:
                     const += self.out[u]
                 else:
                     coef[self._S(u, self.hold[u])] = self.out[u]
