@@ -55,8 +55,10 @@ ABOVE_EVERY_BLOCK = (
     "path's checkpoint RNG states, once counted for every segment all step (685712 and "
     "519956 B), now live from a segment's forward to its backward"
 )
-XFAIL: dict[tuple[str, str], str] = {
-    ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): DETECTION_CALLS,
+XFAIL: dict[tuple[str, str], str | tuple[str, bool]] = {
+    # passed on this machine in 2 of 2 runs on 2026-11-27 (and on the commit before), failed in
+    # CI's fresh clone the same day: it depends on the proposals sampled
+    ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): (DETECTION_CALLS, False),
 }
 # RegNet takes the chain path now (remat.capture.stages.families.blocks: its trunk's stages of
 # blocks). Its graph path under-predicted it by 128 KiB (predicted 4130224 B, measured 4261240
@@ -74,7 +76,7 @@ def _cases() -> list[object]:
                 continue
             marks = [pytest.mark.slow]
             if (name, loop) in XFAIL:
-                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[(name, loop)]))
+                marks.append(_known_bug(XFAIL[(name, loop)]))
             cases.append(
                 pytest.param(name, loop, fraction, marks=marks, id=f"{name}-{loop}-{fraction}")
             )
