@@ -68,6 +68,12 @@ XFAIL: dict[tuple[str, str], str | tuple[str, bool]] = {
 # held) was the constants' bug (tests/test_graph_constants.py)
 
 
+def _known_bug(reason: str | tuple[str, bool]) -> pytest.MarkDecorator:
+    """A strict xfail, or with ``(reason, False)`` one that only sometimes fails."""
+    text, strict = (reason, True) if isinstance(reason, str) else reason
+    return pytest.mark.xfail(strict=strict, reason=text)
+
+
 def _cases() -> list[object]:
     cases = []
     for name, fraction in FRACTION_OF.items():
@@ -152,12 +158,6 @@ EVERY_BLOCK = {
         False,
     ),
 }
-
-
-def _known_bug(reason: str | tuple[str, bool]) -> pytest.MarkDecorator:
-    """A strict xfail, or with ``(reason, False)`` one that only sometimes fails."""
-    text, strict = (reason, True) if isinstance(reason, str) else reason
-    return pytest.mark.xfail(strict=strict, reason=text)
 
 
 @pytest.mark.slow
