@@ -278,6 +278,24 @@ class Case:
         return step
 
 
+def _causal_lm(name: str, model_class: Any, cfg: Any, b: int, t: int, device: Any) -> Case:
+    """A Hugging Face causal LM of ``cfg`` on ``device``, its loss inside the model, its
+    each-block switch Hugging Face's gradient checkpointing (non-reentrant)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (b, t), device=device)
+
+    def each_block(on: bool) -> None:
+        if on:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+
+    batch = {"input_ids": ids, "labels": ids}
+    return Case(name, model, batch, lambda m, b: m(**b).loss, each_block, device)
+
+
 def _gpt2(tiny: bool, device: torch.device) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -288,71 +306,23 @@ def _gpt2(tiny: bool, device: torch.device) -> Case:
         cfg = GPT2Config()  # 124M
         b, t = 8, 1024
     cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0  # compiled RNG differs from eager's
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = GPT2LMHeadModel(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (b, t), device=device)
-    batch = {"input_ids": ids, "labels": ids}
-
-    def each_block(on: bool) -> None:
-        if on:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
-
-    return Case(
-        "gpt2-124m" if not tiny else "gpt2-tiny",
-        model,
-        batch,
-        lambda m, b: m(**b).loss,
-        each_block,
-        device,
-    )
+    name = "gpt2-124m" if not tiny else "gpt2-tiny"
+    return _causal_lm(name, GPT2LMHeadModel, cfg, b, t, device)
 
 
 def _llama(tiny: bool, device: torch.device) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if tiny:
-        cfg = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        )
+        shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+        heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
         b, t = 2, 64
     else:  # TinyLlama-1.1B's shape
-        cfg = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=22,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            vocab_size=32000,
-        )
+        shape = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22}
+        heads = {"num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000}
         b, t = 4, 2048
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (b, t), device=device)
-    batch = {"input_ids": ids, "labels": ids}
-
-    def each_block(on: bool) -> None:
-        if on:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
-
-    return Case(
-        "llama-1b" if not tiny else "llama-tiny",
-        model,
-        batch,
-        lambda m, b: m(**b).loss,
-        each_block,
-        device,
-    )
+    name = "llama-1b" if not tiny else "llama-tiny"
+    return _causal_lm(name, LlamaForCausalLM, LlamaConfig(**shape, **heads), b, t, device)
 
 
 def _resnet50(tiny: bool, device: torch.device) -> Case:

@@ -607,26 +607,7 @@ def measure_stage(
         fwd_time = fwd_counter.cost()
         bwd_time = bwd_counter.cost()
     else:
-        fwd_times, bwd_times = [], []
-        for _ in range(repeats):
-            inputs.restore()
-            entered = _entered(x)
-            _sync(device)
-            start = time.perf_counter()
-            out = run(entered)
-            _sync(device)
-            fwd_times.append(time.perf_counter() - start)
-            seed, _ = _seed(_tensors(out))
-            _sync(device)
-            start = time.perf_counter()
-            if seed is not None:
-                seed.backward()
-            _sync(device)
-            bwd_times.append(time.perf_counter() - start)
-            del out, seed, entered
-            reset()
-        fwd_time = statistics.median(fwd_times)
-        bwd_time = statistics.median(bwd_times)
+        fwd_time, bwd_time = _timed_runs(run, x, inputs, reset, repeats, device)
     cost = StageCost(
         out_bytes=sum(new_out.values()),
         saved_bytes=saved_bytes,
@@ -707,6 +688,30 @@ def measure_compiled_stage(
             "events: capture outside a torch.profiler session (and on a CPU or CUDA device)"
         )
     reset()
+    fwd_time, bwd_time = _timed_runs(run, x, inputs, reset, repeats, device)
+    cost = StageCost(
+        out_bytes=sum(new_out.values()),
+        saved_bytes=saved_bytes,
+        fwd_overhead_bytes=max(0, fwd_alloc.peak_bytes - saved_bytes),
+        bwd_peak_bytes=bwd_alloc.peak_bytes - grad_bytes - made,
+        unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
+        grad_rise_bytes=made,
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+    )
+    return cost, next_input
+
+
+def _timed_runs(
+    run: Callable[[Any], Any],
+    x: Any,
+    inputs: BatchCopy,
+    reset: Callable[[], None],
+    repeats: int,
+    device: torch.device | None,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of ``repeats`` runs of ``run`` on ``x`` (the inputs
+    without gradient restored before each, ``reset`` after each)."""
     fwd_times, bwd_times = [], []
     for _ in range(repeats):
         inputs.restore()
@@ -725,17 +730,7 @@ def measure_compiled_stage(
         bwd_times.append(time.perf_counter() - start)
         del out, seed, entered
         reset()
-    cost = StageCost(
-        out_bytes=sum(new_out.values()),
-        saved_bytes=saved_bytes,
-        fwd_overhead_bytes=max(0, fwd_alloc.peak_bytes - saved_bytes),
-        bwd_peak_bytes=bwd_alloc.peak_bytes - grad_bytes - made,
-        unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
-        grad_rise_bytes=made,
-        fwd_time=statistics.median(fwd_times),
-        bwd_time=statistics.median(bwd_times),
-    )
-    return cost, next_input
+    return statistics.median(fwd_times), statistics.median(bwd_times)
 
 
 def _identity(t: Any) -> Any:
