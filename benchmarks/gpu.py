@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_map_only  # noqa: E402
 
 import remat  # noqa: E402
 from remat import zoo  # noqa: E402
-from remat.measure.events import interleaved_times, step_peak_bytes  # noqa: E402
+from remat.measure.events import cuda_step_peak_bytes, interleaved_times, step_peak_bytes  # noqa: E402
 from remat.planners import BudgetTooSmallError  # noqa: E402
 
 START = time.perf_counter()
@@ -114,14 +114,10 @@ def peak_bytes(
     """The whole step's peak: max_memory_allocated on CUDA, allocator events on the CPU."""
     if device.type != "cuda":
         return step_peak_bytes(step, model, opt, batch)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
+    peak = cuda_step_peak_bytes(step)
     # the bytes asked for, before the allocator's rounding and unsplit block remainders
     REQUESTED.append(int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)))
-    return int(torch.cuda.max_memory_allocated())
+    return peak
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 import remat
 from remat import zoo
-from remat.measure.events import device_library_bytes
+from remat.measure.events import cuda_step_peak_bytes, device_library_bytes
 from remat.planners import BudgetTooSmallError
 
 pytestmark = pytest.mark.gpu
@@ -55,10 +55,5 @@ def test_measured_cuda_peak_within_the_least_budget(name: str) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated()
+    measured = cuda_step_peak_bytes(step)
     assert measured <= least, (measured, least, summary.predicted_peak_bytes)
