@@ -579,7 +579,8 @@ def run_gpu_tests(report: Report, out: Path) -> None:
         "tests/test_gpu_budget.py",
     ]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     (out / "gpu_tests.log").write_text(done.stdout + done.stderr)
     report.add(
         {

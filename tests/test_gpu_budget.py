@@ -13,7 +13,12 @@ from torch.utils._pytree import tree_map_only
 
 import remat
 from remat import zoo
-from remat.measure.events import cuda_step_peak_bytes, device_library_bytes
+from remat.measure.events import (
+    UNSPLIT_BLOCKS_WARNING,
+    cuda_step_peak_bytes,
+    device_library_bytes,
+    expandable_segments,
+)
 from remat.planners import BudgetTooSmallError
 
 pytestmark = pytest.mark.gpu
@@ -29,14 +34,19 @@ MLP_CHAIN_OVER = pytest.mark.xfail(
     strict=False,
     reason="H100, torch 2.11: at its least budget the mlp-chain step measured 239,403,008 B "
     "against 238,355,712 predicted, +1,047,296 B in the bytes requested from the allocator too "
-    "(not its rounding); at a budget half-way to eager it measured 10,884 B under. Suspected: "
-    "a cuBLAS workspace the first recomputation allocates on the autograd thread, now warmed "
-    "before measuring (device_library_bytes), not yet rerun on a GPU; docs/results/gpu",
+    "(not its rounding), with and without expandable segments, also after warming the "
+    "autograd thread's cuBLAS workspace; alone in a fresh process the same test measured "
+    "1,069,824 B under a least of 244,582,656 B: it depends on what the process ran before "
+    "(the library workspaces counted at planning differ by 6.2 MB); docs/results/gpu",
 )
 
 
-@pytest.mark.parametrize("name", [pytest.param("mlp-chain", marks=MLP_CHAIN_OVER), "gpt2"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("mlp-chain", marks=MLP_CHAIN_OVER), "gpt2", "resnet18"]
+)
 def test_measured_cuda_peak_within_the_least_budget(name: str) -> None:
+    if name == "resnet18" and not expandable_segments():
+        pytest.xfail(UNSPLIT_BLOCKS_WARNING)  # measured +657,376 B without (docs/results/gpu)
     torch.manual_seed(0)
     entry = zoo.get(name)
     model = entry.model.cuda()

@@ -1,11 +1,15 @@
-"""The profiler-based step peak equals MemTracker's exact peak on eager steps."""
+"""The profiler-based step peak equals MemTracker's exact peak on eager steps; the CUDA
+allocator's rounding and configuration as remat reads them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from remat.measure.events import (
+    allocation_bytes,
+    expandable_segments,
     interleaved_times,
     median_ratio,
     step_peak_bytes,
@@ -49,3 +53,33 @@ def test_interleaved_times_shape() -> None:
     )
     assert calls == ["a", "b"] + ["a", "b"] * 3
     assert len(times["a"]) == 3 and median_ratio(times, "a", "a") == 1.0
+
+
+def test_allocation_bytes_round_to_the_cuda_block_and_not_on_cpu() -> None:
+    meta = torch.empty(64, device="meta")  # a 64-channel batch norm's weight: 256 bytes
+    assert allocation_bytes(torch.empty(64)) == 256
+    assert allocation_bytes(torch.empty(0)) == 0
+
+    class OnCuda:  # allocation_bytes reads only numel, element_size and device
+        device = torch.device("cuda")
+        numel = meta.numel
+        element_size = meta.element_size
+
+    assert allocation_bytes(OnCuda()) == 512  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:128, expandable_segments:true", True),
+        ("expandable_segments:False", False),
+        ("", False),
+    ],
+)
+def test_expandable_segments_read_from_the_allocator_configuration(
+    monkeypatch: pytest.MonkeyPatch, conf: str, expected: bool
+) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert expandable_segments() is expected

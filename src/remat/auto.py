@@ -65,7 +65,7 @@ from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.measure.calibration import planning_device, time_model_for
-from remat.measure.events import SCRATCH_MIN_BYTES, device_library_bytes
+from remat.measure.events import SCRATCH_MIN_BYTES, allocation_bytes, device_library_bytes
 from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
@@ -244,7 +244,7 @@ def fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     for p in model.parameters():
         add(p)
         if p.requires_grad:
-            total += p.numel() * p.element_size()  # its gradient
+            total += allocation_bytes(p)  # its gradient
     for b in model.buffers():
         add(b)
     if optimizer is not None:
@@ -276,7 +276,7 @@ def _expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     # a frozen parameter gets no gradient, so no state
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     step_bytes = 8 if torch.get_default_dtype() == torch.float64 else 4
-    return copies * sum(p.numel() * p.element_size() for p in params) + (
+    return copies * sum(allocation_bytes(p) for p in params) + (
         step_bytes * len(params) if counters else 0
     )
 
@@ -413,7 +413,7 @@ def stage_grad_bytes(stages: Any) -> list[int]:
     for index, module in enumerate(stages.modules):
         for p in grad_parameters(module):
             if p.requires_grad:
-                owner[id(p)] = (index, p.numel() * p.element_size())
+                owner[id(p)] = (index, allocation_bytes(p))
     result = [0] * len(stages.modules)
     for index, nbytes in owner.values():
         result[index] += nbytes

@@ -110,7 +110,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.measure.calibration import TimeModel, WorkCounter
-from remat.measure.events import garbage_collected, output_tensors, scratch_bytes
+from remat.measure.events import (
+    allocation_bytes,
+    garbage_collected,
+    output_tensors,
+    scratch_bytes,
+)
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 
 __all__ = [
@@ -630,7 +635,7 @@ def _record(
     for t in (*model.parameters(), *model.buffers()):
         st.fixed.add(_key(st, t))
         if isinstance(t, nn.Parameter) and t.requires_grad:
-            st.params[_key(st, t)] = st.params.get(_key(st, t), 0) + t.numel() * t.element_size()
+            st.params[_key(st, t)] = st.params.get(_key(st, t), 0) + allocation_bytes(t)
         st.known[_key(st, t)] = _nbytes(t)
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor):
