@@ -177,6 +177,25 @@ def _hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
+def _image_case(
+    model: nn.Module,
+    b: int,
+    generator: torch.Generator,
+    image_size: int,
+    num_classes: int,
+    description: str,
+    channels: int = 3,
+    per_pixel: bool = False,
+) -> tuple[nn.Module, Any, LossFn, str]:
+    """``model`` on ``b`` random ``channels x image_size x image_size`` images and random
+    labels of ``num_classes`` (one per image, or per pixel), drawn in that order from
+    ``generator``, trained with :func:`classification_loss`."""
+    images = torch.randn(b, channels, image_size, image_size, generator=generator)
+    shape = (b, image_size, image_size) if per_pixel else (b,)
+    labels = torch.randint(0, num_classes, shape, generator=generator)
+    return model, (images, labels), classification_loss, description
+
+
 # ---------------------------------------------------------------------- torchvision
 def _torchvision_names() -> list[str]:
     import torchvision
@@ -204,14 +223,8 @@ def _torchvision(
         kwargs.setdefault("init_weights", True)
     model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
     b = batch_size or 8
-    images = torch.randn(b, 3, size, size, generator=generator)
-    labels = torch.randint(0, num_classes, (b,), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
-        f"torchvision {arch}, {num_classes} classes, batch {b} x 3 x {size} x {size}",
-    )
+    what = f"torchvision {arch}, {num_classes} classes, batch {b} x 3 x {size} x {size}"
+    return _image_case(model, b, generator, size, num_classes, what)
 
 
 # ---------------------------------------------------------------------- ResNet-1001
@@ -240,6 +253,17 @@ class PreActBottleneck(nn.Module):
         y = self.conv2(F.relu(self.bn2(y)))
         y = self.conv3(F.relu(self.bn3(y)))
         return y + shortcut
+
+
+def _preact_head(channels: int, num_classes: int) -> nn.Sequential:
+    """The pre-activation networks' head: BN-ReLU, global average pool, linear classifier."""
+    return nn.Sequential(
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(1),
+        nn.Linear(channels, num_classes),
+    )
 
 
 def _split_depth(blocks: int, ratios: tuple[int, ...]) -> list[int]:
@@ -285,14 +309,7 @@ def preact_resnet(
             stride = 2 if (k == 0 and stage > 0) else 1
             layers.append(PreActBottleneck(channels, mid, stride))
             channels = 4 * mid
-    head = nn.Sequential(
-        nn.BatchNorm2d(channels),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(1),
-        nn.Linear(channels, num_classes),
-    )
-    layers.append(head)
+    layers.append(_preact_head(channels, num_classes))
     return nn.Sequential(*layers), per_stage
 
 
@@ -306,15 +323,11 @@ def _resnet1001(
 ) -> tuple[nn.Module, Any, LossFn, str]:
     model, per_stage = preact_resnet(depth, num_classes, width)
     b = batch_size or 32
-    images = torch.randn(b, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (b,), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
+    what = (
         f"pre-activation bottleneck ResNet-{depth} ({sum(per_stage)} blocks {per_stage}), "
-        f"batch {b} x 3 x {image_size} x {image_size}",
+        f"batch {b} x 3 x {image_size} x {image_size}"
     )
+    return _image_case(model, b, generator, image_size, num_classes, what)
 
 
 # ---------------------------------------------------------------------- WideResNet
@@ -356,15 +369,7 @@ def wide_resnet(
             stride = 2 if (k == 0 and stage > 0) else 1
             layers.append(PreActBasicBlock(channels, out, stride, dropout))
             channels = out
-    layers.append(
-        nn.Sequential(
-            nn.BatchNorm2d(channels),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(1),
-            nn.Linear(channels, num_classes),
-        )
-    )
+    layers.append(_preact_head(channels, num_classes))
     return nn.Sequential(*layers)
 
 
@@ -379,15 +384,11 @@ def _wrn(
 ) -> tuple[nn.Module, Any, LossFn, str]:
     model = wide_resnet(depth, widen, num_classes, dropout)
     b = batch_size or 32
-    images = torch.randn(b, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (b,), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
+    what = (
         f"WideResNet-{depth}-{widen} (pre-activation), batch {b} x 3 x {image_size} x "
-        f"{image_size}, {num_classes} classes",
+        f"{image_size}, {num_classes} classes"
     )
+    return _image_case(model, b, generator, image_size, num_classes, what)
 
 
 # ---------------------------------------------------------------------- transformers
@@ -531,15 +532,11 @@ def _regnet(
         raise ValueError(f"arch must be a torchvision regnet_* builder, got {arch!r}")
     model = regnet_chain(torchvision.models.get_model(arch, weights=None, num_classes=num_classes))
     b = batch_size or 8
-    images = torch.randn(b, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (b,), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
+    what = (
         f"torchvision {arch} as a chain of {len(model)} stages, {num_classes} classes, batch {b} "
-        f"x 3 x {image_size} x {image_size}",
+        f"x 3 x {image_size} x {image_size}"
     )
+    return _image_case(model, b, generator, image_size, num_classes, what)
 
 
 # ---------------------------------------------------------------------- U-Net
@@ -666,14 +663,12 @@ def _unet(
     unet = UNet(in_channels, num_classes, width, depth)
     model: nn.Module = unet if form == "module" else unet_chain(unet)
     b = batch_size or 4
-    images = torch.randn(b, in_channels, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (b, image_size, image_size), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
+    what = (
         f"U-Net (depth {depth}, width {width}, {form}), per-pixel {num_classes} classes, batch "
-        f"{b} x {in_channels} x {image_size} x {image_size}",
+        f"{b} x {in_channels} x {image_size} x {image_size}"
+    )
+    return _image_case(
+        model, b, generator, image_size, num_classes, what, channels=in_channels, per_pixel=True
     )
 
 
@@ -741,15 +736,11 @@ def _mlp_mixer(
         MixerHead(dim, num_classes),
     )
     b = batch_size or 8
-    images = torch.randn(b, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (b,), generator=generator)
-    return (
-        model,
-        (images, labels),
-        classification_loss,
+    what = (
         f"MLP-Mixer ({depth} blocks, dim {dim}, {tokens} patches of {patch}x{patch}, hidden "
-        f"{token_hidden}/{channel_hidden}), batch {b} x 3 x {image_size} x {image_size}",
+        f"{token_hidden}/{channel_hidden}), batch {b} x 3 x {image_size} x {image_size}"
     )
+    return _image_case(model, b, generator, image_size, num_classes, what)
 
 
 _BUILDERS: dict[str, Callable[..., tuple[nn.Module, Any, LossFn, str]]] = {

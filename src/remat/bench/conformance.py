@@ -160,6 +160,15 @@ def _hf(cls_name: str, config_name: str, **config: Any) -> nn.Module:
 
 
 VOCAB, SEQ, BATCH = 128, 32, 2
+LLAMA_LIKE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _tokens(seq: int = SEQ) -> torch.Tensor:
@@ -214,8 +223,7 @@ def _t5() -> Built:
 def _hf_image(cls_name: str, config_name: str, size: int, **config: Any) -> Callable[[], Built]:
     def make() -> Built:
         model = _hf(cls_name, config_name, num_labels=3, image_size=size, **config)
-        x = torch.randn(BATCH, 3, size, size, generator=_gen())
-        y = torch.randint(0, 3, (BATCH,), generator=_gen(1))
+        x, y = _images(size, classes=3)
         return Built(model, {"pixel_values": x}, y, _ce, {"pixel_values": x, "labels": y})
 
     return make
@@ -224,17 +232,7 @@ def _hf_image(cls_name: str, config_name: str, size: int, **config: Any) -> Call
 def _lora() -> Built:
     import peft
 
-    built = _causal_lm(
-        "LlamaForCausalLM",
-        "LlamaConfig",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )()
+    built = _causal_lm("LlamaForCausalLM", "LlamaConfig", **LLAMA_LIKE)()
     torch.manual_seed(1)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
@@ -447,15 +445,6 @@ def _nested(path: str) -> Callable[[nn.Module], list[nn.Module]]:
     return blocks
 
 
-LLAMA_LIKE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 BERT_LIKE = dict(
     vocab_size=VOCAB,
     hidden_size=32,

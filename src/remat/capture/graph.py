@@ -1008,7 +1008,100 @@ class _N:
     inside: bool = True
 
 
+@dataclass
+class _Grouping:
+    """The provisional nodes of one level and how the recorded calls map onto them."""
+
+    nodes: list[_N]
+    owner: dict[int, int]
+    """Storage -> the node whose calls last wrote it."""
+    constants: set[int]
+    """Storages made by calls that need no gradient (masks, indices, ...)."""
+    saved_constants: dict[int, int]
+    """Of those and of the known storages no node owns, the bytes of each a backward saves."""
+    call_node: list[int | None]
+    """Per call, its provisional node (None: a call that is no node's)."""
+    is_view: list[bool]
+    """Per call, True when it only makes a view of a node's storage."""
+
+
 def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
+    """The recorded step ``st`` grouped at ``level`` as a costed graph and its call map."""
+    calls = st.calls
+    grouping = _group(st, level)
+    nodes, owner, call_node = grouping.nodes, grouping.owner, grouping.call_node
+    outs = _node_outputs(nodes)
+    output_saved = [any(k in node.saved_outputs for k in outs[v]) for v, node in enumerate(nodes)]
+    loss_node = owner.get(st.loss_key)
+    roots = _merge_unsaved(nodes, outs, output_saved, loss_node)
+    final = _loss_ancestors(nodes, roots, loss_node)
+    index = {x: i for i, x in enumerate(final)}
+    for c in range(len(calls)):
+        v = call_node[c]
+        call_node[c] = index.get(roots[v]) if v is not None else None
+    graph_nodes, node_calls = _graph_nodes(st, level, nodes, outs, roots, index)
+    if st.memory is not None:
+        graph_nodes = _overheads(st, graph_nodes, call_node)
+    param_grads = _param_grad_bytes(st, call_node, len(graph_nodes))
+    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
+    random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
+    for rec in calls:
+        if rec.random and rec.inside and call_node[rec.index] is not None:
+            random_calls[call_node[rec.index]] += 1
+    held = _held_until(
+        st, [[k for k in outs[x] if roots[owner[k]] == x] for x in final], node_calls, graph_nodes
+    )
+    graph_nodes = [
+        replace(node, keeps_output=own[v], random_calls=random_calls[v], held_until=held[v])
+        for v, node in enumerate(graph_nodes)
+    ]
+    batch_bytes = sum(st.batch_keys.values())
+    const_bytes = sum(grouping.saved_constants.values())
+    unsaved_constants = grouping.constants - grouping.saved_constants.keys()
+    graph = Graph(
+        tuple(graph_nodes),
+        input_bytes=batch_bytes + const_bytes,
+        time_unit=time_unit,
+        constants=_constants(st, unsaved_constants, node_calls, call_node),
+    )
+    infos = tuple(
+        CallInfo(
+            index=rec.index,
+            func=rec.func,
+            op=rec.op,
+            scope=rec.scope,
+            inside=rec.inside,
+            node=call_node[rec.index],
+            view=grouping.is_view[rec.index],
+            random=rec.random,
+            mutated=rec.mutated,
+        )
+        for rec in calls
+    )
+    return GraphTrace(
+        graph=graph,
+        level=level,
+        calls=infos,
+        node_calls=tuple(node_calls),
+        output_saved=tuple(output_saved[x] for x in final),
+        node_inside=tuple(nodes[x].inside for x in final),
+        saves_own_output=tuple(own),
+        batch_bytes=batch_bytes,
+        saved_constant_bytes=const_bytes,
+        real_saved_bytes=sum(st.real_saved.values()),
+        param_grad_bytes=tuple(param_grads),
+        output_bytes=st.output_bytes,
+        largest_output_bytes=st.largest_output_bytes,
+        output_has_loss=st.output_has_loss,
+    )
+
+
+def _group(st: _State, level: str) -> _Grouping:
+    """The calls that make or write a storage needing a gradient, as provisional nodes: at
+    ``level="module"`` one per leaf-module call (``rec.group``), at ``"op"`` one per call;
+    views and in-place writes join the node that owns the storage (a write to a storage
+    another node has read since starts a new node). Records the edges (inputs read, inputs
+    saved) and the bytes each node's backward saves."""
     calls = st.calls
     owner: dict[int, int] = {}  # storage -> node
     readers: dict[int, set[int]] = {}  # storage -> foreign nodes that read it since its last write
@@ -1083,15 +1176,24 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
             else:
                 node.saved_inputs.add(u)
                 nodes[u].saved_outputs.add(k)
+    return _Grouping(nodes, owner, constants, saved_constants, call_node, is_view)
 
-    # outputs: the storages other nodes read (a sink: its last storage)
+
+def _node_outputs(nodes: list[_N]) -> list[list[int]]:
+    """Per node, its output storages: those other nodes read (a sink: its last storage)."""
     outs: list[list[int]] = []
     for node in nodes:
         read = [k for k in node.storages if k in node.read]
         outs.append(read or node.storages[-1:])
-    output_saved = [any(k in node.saved_outputs for k in outs[v]) for v, node in enumerate(nodes)]
+    return outs
 
-    # merge a node whose output nobody saves into its only consumer
+
+def _merge_unsaved(
+    nodes: list[_N], outs: list[list[int]], output_saved: list[bool], loss_node: int | None
+) -> list[int]:
+    """Merge each node whose output nobody saves into its only consumer (latest first), in
+    place, unless one runs inside the model and the other not, or ``runs_between`` forbids it.
+    Returns per node the node it ended in (itself when not merged)."""
     parent = list(range(len(nodes)))
 
     def find(x: int) -> int:
@@ -1104,7 +1206,6 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     for v, node in enumerate(nodes):
         for u in node.inputs:
             consumers[u].add(v)
-    loss_node = owner.get(st.loss_key)
     by_order = sorted((node.order, x) for x, node in enumerate(nodes))
     orders = [o for o, _ in by_order]
 
@@ -1137,28 +1238,39 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         keep.order = max(keep.order, gone.order)
         for k in outs[v]:  # now internal: nobody saves them, so not counted
             keep.own_saved.pop(k, None)
+    return [find(v) for v in range(len(nodes))]
 
-    # keep the ancestors of the loss
-    roots = [find(v) for v in range(len(nodes))]
+
+def _loss_ancestors(nodes: list[_N], roots: list[int], loss_node: int | None) -> list[int]:
+    """The merged nodes from which the loss can be reached, in forward order."""
     alive: set[int] = set()
     if loss_node is not None:
-        stack = [find(loss_node)]
+        stack = [roots[loss_node]]
         while stack:
             x = stack.pop()
             if x in alive:
                 continue
             alive.add(x)
-            stack.extend(find(u) for u in nodes[x].inputs if find(u) != x)
-    final = sorted(alive, key=lambda x: nodes[x].order)
-    index = {x: i for i, x in enumerate(final)}
-    for c in range(len(calls)):
-        v = call_node[c]
-        call_node[c] = index.get(roots[v]) if v is not None else None
+            stack.extend(roots[u] for u in nodes[x].inputs if roots[u] != x)
+    return sorted(alive, key=lambda x: nodes[x].order)
 
+
+def _graph_nodes(
+    st: _State,
+    level: str,
+    nodes: list[_N],
+    outs: list[list[int]],
+    roots: list[int],
+    index: dict[int, int],
+) -> tuple[list[Node], list[tuple[int, ...]]]:
+    """The costed :class:`Node` of each merged node kept (``index``: merged node -> its
+    index in the graph): a unique name, its edges, summed times, output and saved bytes;
+    and the calls each one ran."""
+    calls = st.calls
     names: dict[str, int] = {}
     graph_nodes = []
     node_calls = []
-    for x in final:
+    for x in index:
         node = nodes[x]
         rec = calls[node.name_call]
         if level == "module" and rec.group[0] == "leaf":
@@ -1171,8 +1283,8 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         out_keys = set(outs[x])
         out_bytes = sum(st.known[k] for k in out_keys)
         residual = sum(b for k, b in node.own_saved.items() if k not in out_keys)
-        inputs = sorted({index[find(u)] for u in node.inputs if find(u) != x})
-        saved_inputs = sorted({index[find(u)] for u in node.saved_inputs if find(u) != x})
+        inputs = sorted({index[roots[u]] for u in node.inputs if roots[u] != x})
+        saved_inputs = sorted({index[roots[u]] for u in node.saved_inputs if roots[u] != x})
         mine = sorted(node.calls)
         graph_nodes.append(
             Node(
@@ -1193,69 +1305,24 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
             "the traced step has no node with a gradient: does the loss depend on parameters "
             "or on inputs that require grad?"
         )
-    if st.memory is not None:
-        graph_nodes = _overheads(st, graph_nodes, call_node)
+    return graph_nodes, node_calls
+
+
+def _param_grad_bytes(st: _State, call_node: list[int | None], n: int) -> list[int]:
+    """Per node of ``n``, the bytes of the parameter gradients its backward makes: each
+    parameter's at the last node that reads it."""
     grad_node: dict[int, int] = {}  # parameter storage -> the last node that reads it
-    for rec in calls:
+    for rec in st.calls:
         v = call_node[rec.index]
         if v is None:
             continue
         for k in rec.in_keys:
             if k in st.params:
                 grad_node[k] = max(grad_node.get(k, -1), v)
-    param_grads = [0] * len(graph_nodes)
+    param_grads = [0] * n
     for k, v in grad_node.items():
         param_grads[v] += st.params[k]
-    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
-    random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
-    for rec in calls:
-        if rec.random and rec.inside and call_node[rec.index] is not None:
-            random_calls[call_node[rec.index]] += 1
-    held = _held_until(
-        st, [[k for k in outs[x] if find(owner[k]) == x] for x in final], node_calls, graph_nodes
-    )
-    graph_nodes = [
-        replace(node, keeps_output=own[v], random_calls=random_calls[v], held_until=held[v])
-        for v, node in enumerate(graph_nodes)
-    ]
-    batch_bytes = sum(st.batch_keys.values())
-    const_bytes = sum(saved_constants.values())
-    graph = Graph(
-        tuple(graph_nodes),
-        input_bytes=batch_bytes + const_bytes,
-        time_unit=time_unit,
-        constants=_constants(st, constants - saved_constants.keys(), node_calls, call_node),
-    )
-    infos = tuple(
-        CallInfo(
-            index=rec.index,
-            func=rec.func,
-            op=rec.op,
-            scope=rec.scope,
-            inside=rec.inside,
-            node=call_node[rec.index],
-            view=is_view[rec.index],
-            random=rec.random,
-            mutated=rec.mutated,
-        )
-        for rec in calls
-    )
-    return GraphTrace(
-        graph=graph,
-        level=level,
-        calls=infos,
-        node_calls=tuple(node_calls),
-        output_saved=tuple(output_saved[x] for x in final),
-        node_inside=tuple(nodes[x].inside for x in final),
-        saves_own_output=tuple(own),
-        batch_bytes=batch_bytes,
-        saved_constant_bytes=const_bytes,
-        real_saved_bytes=sum(st.real_saved.values()),
-        param_grad_bytes=tuple(param_grads),
-        output_bytes=st.output_bytes,
-        largest_output_bytes=st.largest_output_bytes,
-        output_has_loss=st.output_has_loss,
-    )
+    return param_grads
 
 
 def _held_until(

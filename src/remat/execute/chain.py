@@ -583,7 +583,29 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     return plan.for_chain(n)
 
 
-class PlannedModule(nn.Module):
+class PlannedWrapper(nn.Module):
+    """What the chain and graph planned modules (:class:`PlannedModule`,
+    :class:`remat.execute.graph.GraphPlannedModule`) share: ``_plans``, what runs per input
+    signature (:class:`SignaturePlans`), and attributes the wrapper lacks fall through to the
+    model, its submodule ``.model``."""
+
+    _plans: SignaturePlans
+
+    @property
+    def signature(self) -> tuple | None:
+        """Input signature the current plan was made for (None: not known yet)."""
+        return self._plans.signature
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or name == "model":
+                raise
+            return getattr(self._modules["model"], name)
+
+
+class PlannedModule(PlannedWrapper):
     """A model that trains under a remat plan; made by :func:`apply`.
 
     It shares the original model's parameters and buffers: the model is its submodule
@@ -632,11 +654,6 @@ class PlannedModule(nn.Module):
     def plan(self) -> Plan:
         """The plan in use (for the last training input signature)."""
         return self._plans.current.plan
-
-    @property
-    def signature(self) -> tuple | None:
-        """Input signature the current plan was made for (None: not known yet)."""
-        return self._plans.signature
 
     @property
     def _executor(self) -> _Executor:
@@ -708,14 +725,6 @@ class PlannedModule(nn.Module):
 
     def _executor_for(self, args: tuple, kwargs: dict) -> _Executor:
         return self._plans.lookup(args, kwargs, step_state(self.model))
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("_") or name == "model":
-                raise
-            return getattr(self._modules["model"], name)
 
     def extra_repr(self) -> str:
         plan = self.plan

@@ -77,6 +77,7 @@ from remat.capture.graph import GraphTrace, in_transform, is_tensor_call, trace_
 from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan, GraphSegment
 from remat.execute.chain import (
+    PlannedWrapper,
     SignaturePlans,
     call_loss,
     input_signature,
@@ -158,7 +159,7 @@ def executed_plan(plan: GraphPlan, node_inside: Sequence[bool]) -> GraphPlan:
     return GraphPlan(segments, method=plan.method, params=params, graph_fingerprint=None)
 
 
-class GraphPlannedModule(nn.Module):
+class GraphPlannedModule(PlannedWrapper):
     """A model that trains under a graph plan; made by :func:`apply_graph`.
 
     The model is its submodule ``.model`` (parameters, buffers and ``state_dict`` are the
@@ -209,11 +210,6 @@ class GraphPlannedModule(nn.Module):
     def graph(self) -> Graph:
         """The graph the plan in use was made for."""
         return self._graph
-
-    @property
-    def signature(self) -> tuple | None:
-        """Input signature the current plan was made for (None: not known yet)."""
-        return self._plans.signature
 
     @property
     def executed_plan(self) -> GraphPlan:
@@ -277,14 +273,6 @@ class GraphPlannedModule(nn.Module):
                 raise err from None
         trace = _match(graph, traces)
         return _Program.build(trace, executed_plan(plan, trace.node_inside), self.model)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("_") or name == "model":
-                raise
-            return getattr(self._modules["model"], name)
 
     def extra_repr(self) -> str:
         return f"plan={self._plan.method}: {self._plan.describe()!r}, nodes={self._graph.n}"

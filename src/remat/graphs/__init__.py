@@ -38,14 +38,8 @@ from remat.core.simulate import (
     simulate_graph,
     simulate_step_peak,
 )
-from remat.planners import (
-    available_graph_planners,
-    get_graph_planner,
-    least_graph_peak,
-    plan_graph,
-    register_graph_planner,
-    sweep_graph,
-)
+from remat.planners import graph as _planners
+from remat.planners.graph import *  # noqa: F403 - the graph planners' names
 
 __all__ = [
     "Graph",
@@ -62,12 +56,7 @@ __all__ = [
     "graph_step_peak",
     "lower_plan",
     "run_schedule",
-    "plan_graph",
-    "register_graph_planner",
-    "get_graph_planner",
-    "available_graph_planners",
-    "sweep_graph",
-    "least_graph_peak",
     "GRAPH_SCHEMA_VERSION",
     "GRAPH_PLAN_SCHEMA_VERSION",
+    *_planners.__all__,
 ]

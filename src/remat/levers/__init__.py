@@ -23,74 +23,10 @@ microbatch shape):
 
 from __future__ import annotations
 
-from remat.levers.microbatch import (
-    MicroBatcher,
-    accumulate_step,
-    batch_size,
-    compute_loss,
-    split_batch,
-    split_sizes,
-)
-from remat.levers.offload import (
-    OffloadUnavailableError,
-    offload_available,
-    offload_saved_activations,
-)
-from remat.levers.precision import (
-    GradientError,
-    Precision,
-    SavedTensorStats,
-    compress_saved_activations,
-    count_saved_tensors,
-    gradient_error,
-    make_grad_scaler,
-    precision_context,
-    scaled_backward,
-    scaled_step,
-)
-from remat.levers.sparsity import (
-    DynamicSparsity,
-    SparseBytes,
-    SparsityUpdate,
-    WeightMasks,
-    kept_count,
-    magnitude_prune,
-    predicted_sparse_bytes,
-    prunable_parameters,
-    sparse_storage_bytes,
-)
+from remat.levers import microbatch, offload, precision, sparsity
+from remat.levers.microbatch import *  # noqa: F403 - each lever's __all__
+from remat.levers.offload import *  # noqa: F403
+from remat.levers.precision import *  # noqa: F403
+from remat.levers.sparsity import *  # noqa: F403
 
-__all__ = [
-    # precision
-    "Precision",
-    "SavedTensorStats",
-    "GradientError",
-    "precision_context",
-    "compress_saved_activations",
-    "count_saved_tensors",
-    "make_grad_scaler",
-    "scaled_backward",
-    "scaled_step",
-    "gradient_error",
-    # microbatching
-    "MicroBatcher",
-    "accumulate_step",
-    "split_batch",
-    "split_sizes",
-    "batch_size",
-    "compute_loss",
-    # sparsity
-    "WeightMasks",
-    "DynamicSparsity",
-    "SparseBytes",
-    "SparsityUpdate",
-    "prunable_parameters",
-    "magnitude_prune",
-    "kept_count",
-    "sparse_storage_bytes",
-    "predicted_sparse_bytes",
-    # offload
-    "offload_saved_activations",
-    "offload_available",
-    "OffloadUnavailableError",
-]
+__all__ = [*precision.__all__, *microbatch.__all__, *sparsity.__all__, *offload.__all__]

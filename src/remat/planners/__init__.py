@@ -37,56 +37,8 @@ Registered graph planners (name -> module):
 
 from __future__ import annotations
 
-from remat.planners.registry import (
-    _REGISTRY,
-    BUDGET_KINDS,
-    GRID_POINTS,
-    KINDS,
-    BudgetTooSmallError,
-    GraphPlanner,
-    Planner,
-    PlannerEntry,
-    available,
-    available_graph_planners,
-    candidates,
-    get,
-    get_graph_planner,
-    get_planner,
-    grid_candidates,
-    least_graph_peak,
-    least_peak,
-    plan_chain,
-    plan_graph,
-    register,
-    register_graph_planner,
-    stamp,
-    sweep,
-    sweep_graph,
-)
+from remat.planners import registry
+from remat.planners.registry import *  # noqa: F403 - registry's __all__
+from remat.planners.registry import _REGISTRY
 
-__all__ = [
-    "KINDS",
-    "BUDGET_KINDS",
-    "register",
-    "get",
-    "get_planner",
-    "available",
-    "plan_chain",
-    "plan_graph",
-    "stamp",
-    "sweep",
-    "least_peak",
-    "candidates",
-    "grid_candidates",
-    "GRID_POINTS",
-    "Planner",
-    "PlannerEntry",
-    "GraphPlanner",
-    "BudgetTooSmallError",
-    "register_graph_planner",
-    "available_graph_planners",
-    "get_graph_planner",
-    "sweep_graph",
-    "least_graph_peak",
-    "_REGISTRY",
-]
+__all__ = [*registry.__all__, "_REGISTRY"]
