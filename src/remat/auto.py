@@ -55,6 +55,7 @@ from remat.core.units import format_bytes, parse_bytes, resolve_budget
 from remat.execute.chain import (
     _describe_signature,
     apply,
+    as_one_graph,
     call_loss,
     compile_options,
     input_signature,
@@ -63,9 +64,20 @@ from remat.execute.chain import (
 )
 from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
-from remat.guards import check_no_own_checkpointing, check_not_wrapped
+from remat.guards import (
+    BatchCopy,
+    BufferSnapshot,
+    check_no_own_checkpointing,
+    check_not_wrapped,
+)
 from remat.measure.calibration import planning_device, time_model_for
-from remat.measure.events import SCRATCH_MIN_BYTES, device_library_bytes
+from remat.measure.events import (
+    SCRATCH_MIN_BYTES,
+    cuda_step_peak_bytes,
+    device_library_bytes,
+    garbage_collected,
+    step_peak_bytes,
+)
 from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
@@ -128,6 +140,16 @@ class AutoSummary:
     fake: bool = False
     """True when the costs were captured under fake tensors (``auto(..., fake=True)``: no
     eager step run, times from the calibrated cost model of :mod:`remat.measure.calibration`)."""
+    compiled: str | None = None
+    """How the planned step runs compiled (``compile=``): ``"one-graph"`` (the whole forward
+    one graph, its peak measured: NOTE [ One compiled graph ]), ``"per-stage"`` (each stage
+    its own graph, predicted from the chain), None when not compiled."""
+    one_graph_over_bytes: int | None = None
+    """With ``compile=``: the bytes the one-graph compiled step of the plan measured above the
+    chain's prediction (0 when at or below it; in :attr:`predicted_peak_bytes` when
+    ``compiled == "one-graph"``). None when not measured."""
+    compiled_note: str = ""
+    """Why a compiled plan runs a graph per stage (the one-graph trials, with their bytes)."""
 
     @classmethod
     def of(
@@ -202,8 +224,21 @@ class AutoSummary:
                     if self.fake
                     else "measured on an eager step"
                 ),
+                *self._compiled_lines(),
             ]
         )
+
+    def _compiled_lines(self) -> list[str]:
+        if self.compiled is None:
+            return []
+        if self.compiled == "one-graph":
+            text = "one graph (its step measured: " + (
+                f"{format_bytes(self.one_graph_over_bytes or 0)} above the stages' prediction,"
+                " counted)"
+            )
+        else:
+            text = f"a graph per stage ({self.compiled_note or 'predicted from the stages'})"
+        return [f"  compiled: {text}"]
 
     def _loop_text(self) -> str:
         if self.loop is None:
@@ -782,6 +817,40 @@ def auto(
 
     margin = _loss_margin(loss_fn, measure_loss)
 
+    def loss_only_costs(new: Captured, now: _Trained | None = None) -> StepCosts:
+        # the step a one-graph plan is measured on (_one_graph_peak): the captured loss, no
+        # optimizer, nothing held after the loss, gradients made by the backward
+        grads_now = now.grads if now is not None else grads
+        return dataclasses.replace(
+            costs_of(new, now),
+            persistent_bytes=fixed_bytes(model) - sum(grads_now),
+            optimizer_step_bytes=0,
+            output_held_bytes=0,
+            grads_live=False,
+            criterion_peak_bytes=0,
+            output_grad_bytes=0,
+            slack_bytes=0,  # (kept above what the graph measured: predicted() counts it)
+        )
+
+    def fit_one_graph(
+        new: Captured,
+        first: Plan,
+        total_now: int | None,
+        now: _Trained | None,
+        measure: Callable[[Plan], int],
+        base: Captured | None = None,
+    ) -> _OneGraphFit:
+        return _fit_one_graph(
+            first,
+            total_now,
+            plan_at=lambda b: plan_for_step(new.chain, costs_of(new, now), b, method),
+            predicted=lambda p: step_peak_of(new.chain, p, costs_of(new, now)),
+            baseline=lambda p: step_peak_of(
+                (base or new).chain, p, loss_only_costs(base or new, now)
+            ),
+            measure=measure,
+        )
+
     def replan(*args: Any, **kwargs: Any) -> Plan:
         new = capture(
             model,
@@ -791,19 +860,44 @@ def auto(
             compile=compiled_costs,
             **capture_options,
         )
+        base = new
         held = margin(new.chain.input_bytes)
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             new = dataclasses.replace(new, chain=chain)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
         with _for_new_inputs(args, kwargs, now.live):
-            return plan_captured(new, spec, now)[0]
+            plan, total_now = plan_captured(new, spec, now)
+        if options is None:
+            return plan
+
+        def measure(p: Plan) -> int:
+            trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
+            return _one_graph_peak(model, trial, call_loss, (args, kwargs))
+
+        return fit_one_graph(new, plan, total_now, now, measure, base).plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
-    planned = apply(
-        model, chosen, stages=captured.stages, example=example, replan=replan, compile=compile
-    )
+    def build(plan: Plan) -> nn.Module:
+        return apply(
+            model, plan, stages=captured.stages, example=example, replan=replan, compile=compile
+        )
+
+    fit: _OneGraphFit | None = None
+    if options is not None:
+        trials: dict[str, nn.Module] = {}
+
+        def measure_first(p: Plan) -> int:
+            trials[p.describe()] = trial = build(as_one_graph(p))
+            return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
+
+        fit = fit_one_graph(captured, chosen, total, None, measure_first)
+        chosen = fit.plan
+        planned = trials.get(chosen.describe()) if fit.one_graph else None
+        planned = planned or build(chosen)
+    else:
+        planned = build(chosen)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
     summary = AutoSummary.of(
@@ -821,7 +915,127 @@ def auto(
         fake=bool(capture_options),
         criterion_bytes=costs_of(captured).criterion_peak_bytes,
     )
+    if fit is not None:
+        summary = dataclasses.replace(
+            summary,
+            predicted_peak_bytes=fit.predicted,
+            compiled="one-graph" if fit.one_graph else "per-stage",
+            one_graph_over_bytes=fit.over,
+            compiled_note=fit.note,
+        )
     return planned, summary
+
+
+ONE_GRAPH_TRIALS = 3
+"""How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
+graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
+
+
+class _OneGraphFit(NamedTuple):
+    """What :func:`_fit_one_graph` chose."""
+
+    plan: Plan
+    """The plan, marked one-graph (:func:`remat.execute.chain.as_one_graph`) or not."""
+    predicted: int
+    """Its whole-step prediction: the chain's, plus what its one graph measured above it."""
+    over: int | None
+    """Bytes the one graph measured above the chain's prediction (of the plan run, or of the
+    first plan tried); None when none was measured."""
+    note: str
+    """Why not one graph (the trials), empty when one graph."""
+
+    @property
+    def one_graph(self) -> bool:
+        return self.plan.params.get("compiled") == "one-graph"
+
+
+def _fit_one_graph(
+    first: Plan,
+    total: int | None,
+    plan_at: Callable[[int], Plan],
+    predicted: Callable[[Plan], int],
+    baseline: Callable[[Plan], int],
+    measure: Callable[[Plan], int],
+) -> _OneGraphFit:
+    """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
+
+    The chain predicts the step of the stages compiled one by one, not the one graph (its
+    recomputations and transients are the graph's), so each plan tried is measured compiled:
+    ``measure(plan)`` is the peak of its one-graph step with the captured loss and no
+    optimizer, and ``baseline(plan)`` the chain's prediction of that same step; what the graph
+    measured above it (``over``, at least 0) is added to the whole step's prediction
+    ``predicted(plan)``. When that exceeds ``total`` the budget the planner is given is lowered
+    by the excess (``plan_at``; below the planner's least budget, its least-memory plan once)
+    and the new plan measured, :data:`ONE_GRAPH_TRIALS` plans at most. If none fits (or a plan nests checkpoints, which one graph cannot run) the first plan
+    runs a graph per stage, as the chain predicts it, and the note says what was measured."""
+    plan, target = first, total
+    tried: list[str] = []
+    seen: set[str] = set()
+    first_over: int | None = None
+    least_tried = False
+    while len(seen) < ONE_GRAPH_TRIALS:
+        if any(s.checkpoint and any(c.checkpoint for c in s.children) for s in plan.walk()):
+            tried.append(f"{plan.describe()} nests checkpoints")
+            break
+        key = plan.describe()
+        if key not in seen:
+            seen.add(key)
+            measured = measure(plan)
+            over = max(0, measured - baseline(plan))
+            first_over = over if first_over is None else first_over
+            whole = predicted(plan) + over
+            if total is None or whole <= total:
+                return _OneGraphFit(as_one_graph(plan), whole, over, "")
+            tried.append(f"{key}: {whole:,} B ({over:,} B measured above the stages)")
+            excess = whole - total
+        assert target is not None
+        target -= excess
+        try:
+            plan = plan_at(target)
+        except BudgetTooSmallError as err:
+            if target >= err.minimum_bytes or least_tried:
+                tried.append(f"no plan below {target:,} B")
+                break
+            # the least-memory plan: its recomputations may cost the graph least
+            least_tried, target = True, err.minimum_bytes
+            plan = plan_at(target)
+    note = "one graph over the budget: " + "; ".join(tried) if tried else ""
+    return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _one_graph_peak(
+    model: nn.Module,
+    planned: nn.Module,
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    inputs: Any,
+) -> int:
+    """The measured peak of one training step of ``planned`` (a one-graph compiled plan: an
+    untimed first step compiles it): ``loss(planned, inputs)``, its backward, gradients set
+    to None; the allocator's events on a CPU, ``max_memory_allocated`` on CUDA. The model's
+    gradients, buffers and RNG state are put back, and it runs on a copy of ``inputs``."""
+    buffers = BufferSnapshot(model)
+    grads = {p: p.grad for p in model.parameters()}
+    private = BatchCopy(inputs)
+    devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
+    cuda = any(p.device.type == "cuda" for p in model.parameters())
+
+    def step() -> None:
+        private.restore()
+        loss(planned, private.batch).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    try:
+        for p in grads:
+            p.grad = None
+        with torch.random.fork_rng(devices=devices), garbage_collected():
+            if cuda:
+                return cuda_step_peak_bytes(step)
+            return step_peak_bytes(step, model, None, private.batch)
+    finally:
+        buffers.restore()
+        for p, g in grads.items():
+            p.grad = g
 
 
 def _first_capture(
