@@ -1,6 +1,9 @@
-"""``compile=True``: each stage of the planned model's training forward is its own
-``torch.compile`` graph, with remat's checkpoints around them, and the plan is made on the
-compiled stages measured as they run (remat.capture.chain, NOTE [ One graph per stage ]).
+"""``compile=True``: the plan is made on the compiled stages measured as they run
+(remat.capture.chain, NOTE [ One graph per stage ]); ``remat.auto`` then runs the whole
+training forward as one ``torch.compile`` graph where that graph's measured step fits the
+budget (NOTE [ One compiled graph ] in remat.execute.chain), else each stage as its own
+graph with remat's checkpoints around them, as ``remat.apply`` runs a plan not marked
+one-graph.
 
 Gradients are compared with the eager, unplanned model at ``rtol=1e-4, atol=1e-5`` (CPU fp32:
 inductor's fused kernels sum in another order). Peaks are the allocator's
@@ -114,6 +117,10 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
     # (it warned that the compiled prediction was not exact: no longer)
     assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
     assert any(seg.checkpoint for seg in planned.plan.walk())
+    # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
+    # one inductor graph within it, and runs
+    assert summary.compiled == "one-graph", summary.compiled_note
+    assert planned._executor.compiled_step is not None
     counters.clear()  # (the capture compiled the stages: the planned step reuses them)
     loss(planned, x).backward()
     assert_one_graph_per_stage_at_most(planned)
@@ -559,9 +566,16 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     assert not got.one_graph and name(got.plan) == "loose" and got.predicted == 90
     assert got.over == 15 and "(1-2) [3-4]: 105 B" in got.note and "below 30 B" in got.note
     assert measured == ["loose", "tight"]  # (and the least plan, tight, once)
-    # a nested plan is not tried (one graph keeps the outer segment's activations)
+    # a nested plan is not tried (one graph keeps the outer segment's activations): one
+    # for the same budget is (auto's plan_at gives flat plans), and the nested plan is kept
+    # where none fits
     inner = (Segment(1, 1, True), Segment(2, 2))
     plans["nested"] = remat.Plan((Segment(1, 2, True, inner), Segment(3, 4)))
     predicted["nested"] = 50
     got = fit(100, "nested")
+    assert not got.one_graph and name(got.plan) == "nested" and got.predicted == 50
+    assert measured == ["loose", "tight"]
+    graph["tight"] = 72
+    assert name(fit(100, "nested").plan) == "tight"
+    got = fit(None, "nested")  # (no budget: nothing to plan a flat plan for)
     assert not got.one_graph and got.over is None and measured == [] and "nests" in got.note

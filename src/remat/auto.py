@@ -688,8 +688,10 @@ def auto(
     planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
     the minimum for that shape.
 
-    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too: the
-    checkpoints around the compiled stages are eager, nested ones included).
+    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too; a
+    plan run as one compiled graph is flat: where ``method``'s nests checkpoints,
+    :data:`FLAT_METHOD`'s for the budget is tried, and ``summary.method`` names the planner of
+    the plan that runs).
 
     ``loop`` is the training loop the budget must hold for (:data:`remat.core.step.LOOPS`):
 
@@ -717,15 +719,21 @@ def auto(
     allocate nothing, so kernel scratch memory (oneDNN convolution workspaces on the CPU) is
     not counted; a model whose forward reads tensor values in Python raises ``ValueError``.
 
-    ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
-    graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
-    a mapping is passed to ``torch.compile`` as keyword arguments. Each stage runs as its own
-    compiled graph (NOTE [ One graph per stage ] in :mod:`remat.capture.chain`), and the plan
-    is made on what each compiled stage saves, allocates and takes, measured as it runs
-    (:func:`remat.capture.chain.capture`'s ``compile``, by the allocator's events; any
-    backend), so the compiled step's peak is predicted as the eager one is (chain path only: a
-    model planned as a module graph raises :class:`~remat.core.errors.UnsupportedModelError`;
-    and real captures only: ``fake=True`` raises ``ValueError``).
+    ``compile=True`` runs each training forward of the planned model compiled, the plan
+    deciding what is recomputed (:func:`remat.apply`'s ``compile``); a mapping is passed to
+    ``torch.compile`` as keyword arguments. The plan is made on what each compiled stage saves,
+    allocates and takes, measured as it runs (:func:`remat.capture.chain.capture`'s
+    ``compile``, by the allocator's events; any backend). Then the plan's whole forward is
+    compiled as **one graph** (NOTE [ One compiled graph ] in :mod:`remat.execute.chain`:
+    faster) and that step's peak measured (the allocator's events; the captured loss, no
+    optimizer): what it measured above the chain's prediction of the same step is added to the
+    prediction, and a plan over the budget is planned again below it by the excess
+    (:func:`_fit_one_graph`, :data:`ONE_GRAPH_TRIALS` plans; nested plans replaced by
+    :data:`FLAT_METHOD`'s). Where no plan fits, each stage runs as its own compiled graph (NOTE
+    [ One graph per stage ] in :mod:`remat.capture.chain`), predicted as the eager step is.
+    ``summary.compiled`` says which (chain path only: a model planned as a module graph raises
+    :class:`~remat.core.errors.UnsupportedModelError`; and real captures only: ``fake=True``
+    raises ``ValueError``).
     """
 
     check_loop(loop)
@@ -840,10 +848,16 @@ def auto(
         measure: Callable[[Plan], int],
         base: Captured | None = None,
     ) -> _OneGraphFit:
+        def plan_at(b: int) -> Plan:
+            # the planner's plan, or where it nests checkpoints (one graph cannot run them)
+            # the flat planner's for the same budget
+            p = plan_for_step(new.chain, costs_of(new, now), b, method)
+            return plan_for_step(new.chain, costs_of(new, now), b, FLAT_METHOD) if _nested(p) else p
+
         return _fit_one_graph(
             first,
             total_now,
-            plan_at=lambda b: plan_for_step(new.chain, costs_of(new, now), b, method),
+            plan_at=plan_at,
             predicted=lambda p: step_peak_of(new.chain, p, costs_of(new, now)),
             baseline=lambda p: step_peak_of(
                 (base or new).chain, p, loss_only_costs(base or new, now)
@@ -918,6 +932,7 @@ def auto(
     if fit is not None:
         summary = dataclasses.replace(
             summary,
+            method=chosen.method if fit.one_graph else method,
             predicted_peak_bytes=fit.predicted,
             compiled="one-graph" if fit.one_graph else "per-stage",
             one_graph_over_bytes=fit.over,
@@ -927,6 +942,9 @@ def auto(
 
 
 ONE_GRAPH_TRIALS = 3
+FLAT_METHOD = "hong-dp"
+"""The flat planner (no checkpoint inside another) a one-graph trial uses where ``method``'s
+plan nests checkpoints."""
 """How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
 graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
 
@@ -966,15 +984,23 @@ def _fit_one_graph(
     measured above it (``over``, at least 0) is added to the whole step's prediction
     ``predicted(plan)``. When that exceeds ``total`` the budget the planner is given is lowered
     by the excess (``plan_at``; below the planner's least budget, its least-memory plan once)
-    and the new plan measured, :data:`ONE_GRAPH_TRIALS` plans at most. If none fits (or a plan nests checkpoints, which one graph cannot run) the first plan
-    runs a graph per stage, as the chain predicts it, and the note says what was measured."""
+    and the new plan measured, :data:`ONE_GRAPH_TRIALS` plans at most. A plan that nests
+    checkpoints (one graph cannot run it: the partitioner keeps the outer segment's
+    activations) is not tried; a nested ``first`` is replaced by ``plan_at(total)``, which
+    :func:`auto` makes flat. If none fits the first plan runs a graph per stage, as the chain
+    predicts it, and the note says what was measured."""
     plan, target = first, total
     tried: list[str] = []
     seen: set[str] = set()
     first_over: int | None = None
     least_tried = False
+    if _nested(first) and total is not None:
+        try:
+            plan = plan_at(total)  # (a flat plan for the same budget)
+        except BudgetTooSmallError:
+            pass
     while len(seen) < ONE_GRAPH_TRIALS:
-        if any(s.checkpoint and any(c.checkpoint for c in s.children) for s in plan.walk()):
+        if _nested(plan):
             tried.append(f"{plan.describe()} nests checkpoints")
             break
         key = plan.describe()
@@ -998,9 +1024,18 @@ def _fit_one_graph(
                 break
             # the least-memory plan: its recomputations may cost the graph least
             least_tried, target = True, err.minimum_bytes
-            plan = plan_at(target)
+            try:
+                plan = plan_at(target)
+            except BudgetTooSmallError:
+                tried.append(f"no plan below {target:,} B")
+                break
     note = "one graph over the budget: " + "; ".join(tried) if tried else ""
     return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _nested(plan: Plan) -> bool:
+    """Whether a checkpoint of ``plan`` holds another (one graph cannot run it)."""
+    return any(s.checkpoint and any(c.checkpoint for c in s.children) for s in plan.walk())
 
 
 def _one_graph_peak(
