@@ -465,6 +465,35 @@ def test_gpt2_runs_as_one_compiled_graph_within_its_measured_prediction_and_budg
     assert_equal_grads(model, reference)
 
 
+def test_one_graph_prediction_holds_for_a_loop_that_keeps_the_output_and_steps_adam() -> None:
+    # the one graph is measured on the captured loss without optimizer; what it measured above
+    # the stages' prediction is added to the loop's whole-step prediction (output held, Adam's
+    # state and step): measured there too, each within it
+    model = gpt2()
+    ids = torch.randint(0, 128, (4, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    optimizer = torch.optim.Adam(model.parameters())
+    planned, summary = remat.auto(
+        model, batch, budget="92%", compile=PARTITIONER, loop="output-held", optimizer=optimizer
+    )
+    assert summary.compiled == "one-graph", summary.compiled_note
+
+    def step() -> Any:
+        out = planned(**batch)  # held through the backward and the optimizer's step
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out
+
+    measured = step_peak_bytes(step, model, optimizer, batch)
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        planned.plan.describe(),
+        measured,
+        summary.predicted_peak_bytes,
+        summary.budget_bytes,
+    )
+
+
 def test_one_graph_is_measured_and_a_graph_per_stage_kept_where_it_does_not_fit() -> None:
     # at remat's least budget the one graph of the least plan measured above it (its
     # recomputation holds more than the stages saved): each stage runs as its own graph,
