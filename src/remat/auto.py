@@ -854,10 +854,28 @@ def auto(
             p = plan_for_step(new.chain, costs_of(new, now), b, method)
             return plan_for_step(new.chain, costs_of(new, now), b, FLAT_METHOD) if _nested(p) else p
 
+        def candidates() -> list[Plan]:
+            # the planner's plans from its least budget to the budget, fastest first
+            if total_now is None:
+                return []
+            try:
+                plan_at(0)
+                return []
+            except BudgetTooSmallError as err:
+                least = err.minimum_bytes
+            found: dict[str, Plan] = {}
+            for k in range(CANDIDATE_BUDGETS):
+                budget = least + (total_now - least) * k // max(1, CANDIDATE_BUDGETS - 1)
+                p = _planned(plan_at, budget)
+                if p is not None:
+                    found.setdefault(p.describe(), p)
+            return sorted(found.values(), key=lambda p: simulate(new.chain, p).total_time)
+
         return _fit_one_graph(
             first,
             total_now,
             plan_at=plan_at,
+            candidates=candidates,
             predicted=lambda p: step_peak_of(new.chain, p, costs_of(new, now)),
             baseline=lambda p: step_peak_of(
                 (base or new).chain, p, loss_only_costs(base or new, now)
@@ -942,6 +960,9 @@ def auto(
 
 
 ONE_GRAPH_TRIALS = 3
+CANDIDATE_BUDGETS = 12
+"""Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
+when lowering the budget by what the graph measured over gives no new plan."""
 FLAT_METHOD = "hong-dp"
 """The flat planner (no checkpoint inside another) a one-graph trial uses where ``method``'s
 plan nests checkpoints."""
@@ -974,6 +995,7 @@ def _fit_one_graph(
     predicted: Callable[[Plan], int],
     baseline: Callable[[Plan], int],
     measure: Callable[[Plan], int],
+    candidates: Callable[[], Sequence[Plan]] = tuple,
 ) -> _OneGraphFit:
     """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
 
@@ -982,55 +1004,51 @@ def _fit_one_graph(
     ``measure(plan)`` is the peak of its one-graph step with the captured loss and no
     optimizer, and ``baseline(plan)`` the chain's prediction of that same step; what the graph
     measured above it (``over``, at least 0) is added to the whole step's prediction
-    ``predicted(plan)``. When that exceeds ``total`` the budget the planner is given is lowered
-    by the excess (``plan_at``; below the planner's least budget, its least-memory plan once)
-    and the new plan measured, :data:`ONE_GRAPH_TRIALS` plans at most. A plan that nests
-    checkpoints (one graph cannot run it: the partitioner keeps the outer segment's
-    activations) is not tried; a nested ``first`` is replaced by ``plan_at(total)``, which
-    :func:`auto` makes flat. If none fits the first plan runs a graph per stage, as the chain
-    predicts it, and the note says what was measured."""
-    plan, target = first, total
+    ``predicted(plan)``. When that exceeds ``total``, the next plan tried is the planner's for
+    the budget lowered by the excess (``plan_at``), or, where that one was tried already or
+    the budget is below the planner's least, the fastest of ``candidates()`` not tried yet
+    (:func:`auto`: the planner's plans over budgets from its least to ``total``, fastest
+    first); :data:`ONE_GRAPH_TRIALS` plans at most. A plan that nests checkpoints (one graph
+    cannot run it: the partitioner keeps the outer segment's activations) is not tried; a
+    nested ``first`` is replaced by ``plan_at(total)``, which :func:`auto` makes flat. If none
+    fits the first plan runs a graph per stage, as the chain predicts it, and the note says
+    what was measured."""
     tried: list[str] = []
     seen: set[str] = set()
     first_over: int | None = None
-    least_tried = False
+    pool: list[Plan] | None = None
+    plan: Plan | None = first
     if _nested(first) and total is not None:
-        try:
-            plan = plan_at(total)  # (a flat plan for the same budget)
-        except BudgetTooSmallError:
-            pass
-    while len(seen) < ONE_GRAPH_TRIALS:
+        plan = _planned(plan_at, total)
+    while plan is not None and len(seen) < ONE_GRAPH_TRIALS:
         if _nested(plan):
             tried.append(f"{plan.describe()} nests checkpoints")
             break
-        key = plan.describe()
-        if key not in seen:
-            seen.add(key)
-            measured = measure(plan)
-            over = max(0, measured - baseline(plan))
-            first_over = over if first_over is None else first_over
-            whole = predicted(plan) + over
-            if total is None or whole <= total:
-                return _OneGraphFit(as_one_graph(plan), whole, over, "")
-            tried.append(f"{key}: {whole:,} B ({over:,} B measured above the stages)")
-            excess = whole - total
-        assert target is not None
-        target -= excess
-        try:
-            plan = plan_at(target)
-        except BudgetTooSmallError as err:
-            if target >= err.minimum_bytes or least_tried:
-                tried.append(f"no plan below {target:,} B")
-                break
-            # the least-memory plan: its recomputations may cost the graph least
-            least_tried, target = True, err.minimum_bytes
-            try:
-                plan = plan_at(target)
-            except BudgetTooSmallError:
-                tried.append(f"no plan below {target:,} B")
-                break
+        seen.add(plan.describe())
+        measured = measure(plan)
+        over = max(0, measured - baseline(plan))
+        first_over = over if first_over is None else first_over
+        whole = predicted(plan) + over
+        if total is None or whole <= total:
+            return _OneGraphFit(as_one_graph(plan), whole, over, "")
+        tried.append(f"{plan.describe()}: {whole:,} B ({over:,} B measured above the stages)")
+        plan = _planned(plan_at, total - (whole - total))
+        if plan is None or plan.describe() in seen or _nested(plan):
+            if pool is None:
+                pool = list(candidates())
+            plan = next((p for p in pool if p.describe() not in seen and not _nested(p)), None)
+    if plan is None and tried:
+        tried.append("no other plan")
     note = "one graph over the budget: " + "; ".join(tried) if tried else ""
     return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _planned(plan_at: Callable[[int], Plan], budget: int) -> Plan | None:
+    """``plan_at(budget)``, None below the planner's least budget."""
+    try:
+        return plan_at(budget)
+    except BudgetTooSmallError:
+        return None
 
 
 def _nested(plan: Plan) -> bool:
