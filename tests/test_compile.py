@@ -627,3 +627,17 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     assert not got.one_graph and name(got.plan) == "nested" and got.predicted == 50
     got = fit(None, "nested")  # (no budget: nothing to plan a flat plan for)
     assert not got.one_graph and got.over is None and measured == [] and "nests" in got.note
+
+
+def test_each_one_graph_plan_of_a_process_is_compiled_past_dynamos_recompile_limit() -> None:
+    # dynamo keeps at most recompile_limit (8) graphs per code object and runs the frame
+    # eagerly past it: with every executor's step on one code object, the ninth plan of a
+    # process (re-plans, one-graph trials) ran uncompiled (8 graphs for 11 plans)
+    model = mlp(depth=6)
+    x = torch.randn(64, 64)
+    plans = [remat.Plan.from_checkpoints(12, [k]) for k in range(1, 12)]
+    assert len(plans) > torch._dynamo.config.recompile_limit
+    for plan in plans:
+        planned = remat.apply(model, plan, compile={"backend": "aot_eager"}, one_graph=True)
+        planned(x).sum().backward()
+    assert graphs_and_breaks() == (len(plans), 0), dict(counters["stats"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import dataclasses
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -449,7 +450,8 @@ class _Executor:
             # NOTE [ One compiled graph ]: one compiled function per plan (static shapes: a
             # new input signature gets its own plan, so its own graph)
             options = {"dynamic": False, **compile_options}
-            self.compiled_step = torch.compile(self._traced_step, **options)
+            traced = types.MethodType(_own_code(_Executor._traced_step), self)
+            self.compiled_step = torch.compile(traced, **options)
         elif compile_options is not None:
             # each stage its own graph (NOTE [ One graph per stage ]), inside the eager
             # checkpoints (nested ones too); one executor per plan:
@@ -622,6 +624,16 @@ class _Executor:
                 stacklevel=4,
             )
         return out
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own. Dynamo keeps its compiled graphs per code object,
+    at most ``torch._dynamo.config.recompile_limit`` (8) of them, and past that runs the frame
+    eagerly: every executor's step shares ``_traced_step``'s code, so the ninth plan of a
+    process (re-plans, one-graph trials) ran uncompiled. Each executor's step gets its own."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 ONE_GRAPH = "one-graph"
