@@ -424,10 +424,15 @@ def test_a_nested_plan_runs_compiled_within_its_prediction() -> None:
     loss_fn(planned, x).backward()
     loss_fn(reference, x).backward()
     assert_equal_grads(model, reference)
-    # auto(compile=True) plans with its default planner; its plan nests checkpoints here, so
-    # the one graph it tries is the flat planner's plan for the budget (measured within it)
+    # auto(compile=True) plans with its default planner; where its plan nests checkpoints
+    # (here, depending on the measured times), the one graph it tries is the flat planner's
+    # plan for the budget: a flat plan runs as one graph, named by its planner, within budget
     planned, summary = remat.auto(model, x, loss_fn=loss_fn, budget="60%", compile=PARTITIONER)
-    assert summary.compiled == "one-graph" and summary.method == "hong-dp", summary.compiled_note
+    assert summary.compiled == "one-graph", summary.compiled_note
+    assert not any(
+        c.checkpoint for seg in planned.plan.walk() if seg.checkpoint for c in seg.children
+    )
+    assert summary.method == planned.plan.method in ("optimal-time", "hong-dp")
     # (the loop assumed keeps the output; this step does not: at most the prediction)
     measured = step_peak_bytes(step_of(planned, loss_fn, x), model, None, x)
     assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes
@@ -593,7 +598,7 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     # loose: 90 + 15 = 105 > 100: the planner's plan for 100 - 5 is tight: 80 + 2 fits
     got = fit(100)
     assert got.one_graph and name(got.plan) == "tight" and (got.predicted, got.over) == (82, 2)
-    assert measured == ["loose", "tight"]
+    assert measured == ["loose", "tight"] and got.note.startswith("one graph after: (1-2) [3-4]")
     # the planner gives loose again for 95: the fastest candidate not tried yet is next
     below["threshold"] = 90
     pool[:] = ["loose", "mid", "tight"]

@@ -149,7 +149,8 @@ class AutoSummary:
     chain's prediction (0 when at or below it; in :attr:`predicted_peak_bytes` when
     ``compiled == "one-graph"``). None when not measured."""
     compiled_note: str = ""
-    """Why a compiled plan runs a graph per stage (the one-graph trials, with their bytes)."""
+    """The one-graph trials that did not fit, with their bytes (why a compiled plan runs a
+    graph per stage, or which plans one graph was tried on first)."""
 
     @classmethod
     def of(
@@ -236,6 +237,8 @@ class AutoSummary:
                 f"{format_bytes(self.one_graph_over_bytes or 0)} above the stages' prediction,"
                 " counted)"
             )
+            if self.compiled_note:
+                text += f"; {self.compiled_note}"
         else:
             text = f"a graph per stage ({self.compiled_note or 'predicted from the stages'})"
         return [f"  compiled: {text}"]
@@ -981,7 +984,7 @@ class _OneGraphFit(NamedTuple):
     """Bytes the one graph measured above the chain's prediction (of the plan run, or of the
     first plan tried); None when none was measured."""
     note: str
-    """Why not one graph (the trials), empty when one graph."""
+    """The trials that did not fit (empty when the first did)."""
 
     @property
     def one_graph(self) -> bool:
@@ -1030,7 +1033,8 @@ def _fit_one_graph(
         first_over = over if first_over is None else first_over
         whole = predicted(plan) + over
         if total is None or whole <= total:
-            return _OneGraphFit(as_one_graph(plan), whole, over, "")
+            note = "one graph after: " + "; ".join(tried) if tried else ""
+            return _OneGraphFit(as_one_graph(plan), whole, over, note)
         tried.append(f"{plan.describe()}: {whole:,} B ({over:,} B measured above the stages)")
         plan = _planned(plan_at, total - (whole - total))
         if plan is None or plan.describe() in seen or _nested(plan):
