@@ -963,14 +963,14 @@ def auto(
 
 
 ONE_GRAPH_TRIALS = 3
+"""How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
+graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
 CANDIDATE_BUDGETS = 12
 """Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
 when lowering the budget by what the graph measured over gives no new plan."""
 FLAT_METHOD = "hong-dp"
 """The flat planner (no checkpoint inside another) a one-graph trial uses where ``method``'s
 plan nests checkpoints."""
-"""How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
-graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
 
 
 class _OneGraphFit(NamedTuple):
@@ -1023,6 +1023,8 @@ def _fit_one_graph(
     plan: Plan | None = first
     if _nested(first) and total is not None:
         plan = _planned(plan_at, total)
+        if plan is None:
+            tried.append(f"{first.describe()} nests checkpoints, no flat plan for the budget")
     while plan is not None and len(seen) < ONE_GRAPH_TRIALS:
         if _nested(plan):
             tried.append(f"{plan.describe()} nests checkpoints")
