@@ -194,7 +194,8 @@ def test_compiled_peak_stays_under_each_byte_budget_as_the_budget_falls() -> Non
     assert measured[-1] < eager_compiled, (measured, eager_compiled)
 
 
-def test_compiled_plan_with_batchnorm_updates_running_statistics_once() -> None:
+@pytest.mark.parametrize("one_graph", [False, True])
+def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
         *[
@@ -205,10 +206,16 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once() -> None:
     reference = copy.deepcopy(model)
     x = torch.randn(2, 4, 8, 8)
     planned = remat.apply(
-        model, remat.Plan((Segment(1, 3, True), Segment(4, 4))), compile=PARTITIONER
+        model,
+        remat.Plan((Segment(1, 3, True), Segment(4, 4))),
+        compile=PARTITIONER,
+        one_graph=one_graph,
     )
     planned(x).sum().backward()
-    assert_one_graph_per_stage_at_most(planned)
+    if one_graph:
+        assert graphs_and_breaks() == (1, 0), dict(counters["stats"])
+    else:
+        assert_one_graph_per_stage_at_most(planned)
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         # (a convolution's bias before batch norm has a zero gradient: noise of 1e-5 here)
