@@ -55,6 +55,7 @@ from remat.core.units import format_bytes, parse_bytes, resolve_budget
 from remat.execute.chain import (
     _describe_signature,
     apply,
+    as_one_graph,
     call_loss,
     compile_options,
     input_signature,
@@ -63,9 +64,21 @@ from remat.execute.chain import (
 )
 from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
-from remat.guards import check_no_own_checkpointing, check_not_wrapped
+from remat.guards import (
+    BatchCopy,
+    BufferSnapshot,
+    check_no_own_checkpointing,
+    check_not_wrapped,
+)
 from remat.measure.calibration import planning_device, time_model_for
-from remat.measure.events import SCRATCH_MIN_BYTES, allocation_bytes, device_library_bytes
+from remat.measure.events import (
+    SCRATCH_MIN_BYTES,
+    allocation_bytes,
+    cuda_step_peak_bytes,
+    device_library_bytes,
+    garbage_collected,
+    step_peak_bytes,
+)
 from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
@@ -128,6 +141,17 @@ class AutoSummary:
     fake: bool = False
     """True when the costs were captured under fake tensors (``auto(..., fake=True)``: no
     eager step run, times from the calibrated cost model of :mod:`remat.measure.calibration`)."""
+    compiled: str | None = None
+    """How the planned step runs compiled (``compile=``): ``"one-graph"`` (the whole forward
+    one graph, its peak measured: NOTE [ One compiled graph ]), ``"per-stage"`` (each stage
+    its own graph, predicted from the chain), None when not compiled."""
+    one_graph_over_bytes: int | None = None
+    """With ``compile=``: the bytes the one-graph compiled step of the plan measured above the
+    chain's prediction (0 when at or below it; in :attr:`predicted_peak_bytes` when
+    ``compiled == "one-graph"``). None when not measured."""
+    compiled_note: str = ""
+    """The one-graph trials that did not fit, with their bytes (why a compiled plan runs a
+    graph per stage, or which plans one graph was tried on first)."""
 
     @classmethod
     def of(
@@ -202,8 +226,23 @@ class AutoSummary:
                     if self.fake
                     else "measured on an eager step"
                 ),
+                *self._compiled_lines(),
             ]
         )
+
+    def _compiled_lines(self) -> list[str]:
+        if self.compiled is None:
+            return []
+        if self.compiled == "one-graph":
+            text = "one graph (its step measured: " + (
+                f"{format_bytes(self.one_graph_over_bytes or 0)} above the stages' prediction,"
+                " counted)"
+            )
+            if self.compiled_note:
+                text += f"; {self.compiled_note}"
+        else:
+            text = f"a graph per stage ({self.compiled_note or 'predicted from the stages'})"
+        return [f"  compiled: {text}"]
 
     def _loop_text(self) -> str:
         if self.loop is None:
@@ -653,8 +692,10 @@ def auto(
     planner (module docstring), or raises :class:`~remat.planners.BudgetTooSmallError` naming
     the minimum for that shape.
 
-    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too: the
-    checkpoints around the compiled stages are eager, nested ones included).
+    ``method`` is the chain planner: ``"optimal-time"`` by default (with ``compile`` too; a
+    plan run as one compiled graph is flat: where ``method``'s nests checkpoints,
+    :data:`FLAT_METHOD`'s for the budget is tried, and ``summary.method`` names the planner of
+    the plan that runs).
 
     ``loop`` is the training loop the budget must hold for (:data:`remat.core.step.LOOPS`):
 
@@ -682,15 +723,21 @@ def auto(
     allocate nothing, so kernel scratch memory (oneDNN convolution workspaces on the CPU) is
     not counted; a model whose forward reads tensor values in Python raises ``ValueError``.
 
-    ``compile=True`` runs each training forward of the planned model as one ``torch.compile``
-    graph in which the plan decides what is recomputed (:func:`remat.apply`'s ``compile``);
-    a mapping is passed to ``torch.compile`` as keyword arguments. Each stage runs as its own
-    compiled graph (NOTE [ One graph per stage ] in :mod:`remat.capture.chain`), and the plan
-    is made on what each compiled stage saves, allocates and takes, measured as it runs
-    (:func:`remat.capture.chain.capture`'s ``compile``, by the allocator's events; any
-    backend), so the compiled step's peak is predicted as the eager one is (chain path only: a
-    model planned as a module graph raises :class:`~remat.core.errors.UnsupportedModelError`;
-    and real captures only: ``fake=True`` raises ``ValueError``).
+    ``compile=True`` runs each training forward of the planned model compiled, the plan
+    deciding what is recomputed (:func:`remat.apply`'s ``compile``); a mapping is passed to
+    ``torch.compile`` as keyword arguments. The plan is made on what each compiled stage saves,
+    allocates and takes, measured as it runs (:func:`remat.capture.chain.capture`'s
+    ``compile``, by the allocator's events; any backend). Then the plan's whole forward is
+    compiled as **one graph** (NOTE [ One compiled graph ] in :mod:`remat.execute.chain`:
+    faster) and that step's peak measured (the allocator's events; the captured loss, no
+    optimizer): what it measured above the chain's prediction of the same step is added to the
+    prediction, and a plan over the budget is planned again below it by the excess
+    (:func:`_fit_one_graph`, :data:`ONE_GRAPH_TRIALS` plans; nested plans replaced by
+    :data:`FLAT_METHOD`'s). Where no plan fits, each stage runs as its own compiled graph (NOTE
+    [ One graph per stage ] in :mod:`remat.capture.chain`), predicted as the eager step is.
+    ``summary.compiled`` says which (chain path only: a model planned as a module graph raises
+    :class:`~remat.core.errors.UnsupportedModelError`; and real captures only: ``fake=True``
+    raises ``ValueError``).
     """
 
     check_loop(loop)
@@ -782,6 +829,64 @@ def auto(
 
     margin = _loss_margin(loss_fn, measure_loss)
 
+    def loss_only_costs(new: Captured, now: _Trained | None = None) -> StepCosts:
+        # the step a one-graph plan is measured on (_one_graph_peak): the captured loss, no
+        # optimizer, nothing held after the loss, gradients made by the backward
+        grads_now = now.grads if now is not None else grads
+        return dataclasses.replace(
+            costs_of(new, now),
+            persistent_bytes=fixed_bytes(model) - sum(grads_now),
+            optimizer_step_bytes=0,
+            output_held_bytes=0,
+            grads_live=False,
+            criterion_peak_bytes=0,
+            output_grad_bytes=0,
+            slack_bytes=0,  # (kept above what the graph measured: predicted() counts it)
+        )
+
+    def fit_one_graph(
+        new: Captured,
+        first: Plan,
+        total_now: int | None,
+        now: _Trained | None,
+        measure: Callable[[Plan], int],
+        base: Captured | None = None,
+    ) -> _OneGraphFit:
+        def plan_at(b: int) -> Plan:
+            # the planner's plan, or where it nests checkpoints (one graph cannot run them)
+            # the flat planner's for the same budget
+            p = plan_for_step(new.chain, costs_of(new, now), b, method)
+            return plan_for_step(new.chain, costs_of(new, now), b, FLAT_METHOD) if _nested(p) else p
+
+        def candidates() -> list[Plan]:
+            # the planner's plans from its least budget to the budget, fastest first
+            if total_now is None:
+                return []
+            try:
+                plan_at(0)
+                return []
+            except BudgetTooSmallError as err:
+                least = err.minimum_bytes
+            found: dict[str, Plan] = {}
+            for k in range(CANDIDATE_BUDGETS):
+                budget = least + (total_now - least) * k // max(1, CANDIDATE_BUDGETS - 1)
+                p = _planned(plan_at, budget)
+                if p is not None:
+                    found.setdefault(p.describe(), p)
+            return sorted(found.values(), key=lambda p: simulate(new.chain, p).total_time)
+
+        return _fit_one_graph(
+            first,
+            total_now,
+            plan_at=plan_at,
+            candidates=candidates,
+            predicted=lambda p: step_peak_of(new.chain, p, costs_of(new, now)),
+            baseline=lambda p: step_peak_of(
+                (base or new).chain, p, loss_only_costs(base or new, now)
+            ),
+            measure=measure,
+        )
+
     def replan(*args: Any, **kwargs: Any) -> Plan:
         new = capture(
             model,
@@ -791,19 +896,44 @@ def auto(
             compile=compiled_costs,
             **capture_options,
         )
+        base = new
         held = margin(new.chain.input_bytes)
         if held:
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             new = dataclasses.replace(new, chain=chain)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
         with _for_new_inputs(args, kwargs, now.live):
-            return plan_captured(new, spec, now)[0]
+            plan, total_now = plan_captured(new, spec, now)
+        if options is None:
+            return plan
+
+        def measure(p: Plan) -> int:
+            trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
+            return _one_graph_peak(model, trial, call_loss, (args, kwargs))
+
+        return fit_one_graph(new, plan, total_now, now, measure, base).plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
-    planned = apply(
-        model, chosen, stages=captured.stages, example=example, replan=replan, compile=compile
-    )
+    def build(plan: Plan) -> nn.Module:
+        return apply(
+            model, plan, stages=captured.stages, example=example, replan=replan, compile=compile
+        )
+
+    fit: _OneGraphFit | None = None
+    if options is not None:
+        trials: dict[str, nn.Module] = {}
+
+        def measure_first(p: Plan) -> int:
+            trials[p.describe()] = trial = build(as_one_graph(p))
+            return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
+
+        fit = fit_one_graph(captured, chosen, total, None, measure_first)
+        chosen = fit.plan
+        planned = trials.get(chosen.describe()) if fit.one_graph else None
+        planned = planned or build(chosen)
+    else:
+        planned = build(chosen)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
     summary = AutoSummary.of(
@@ -821,7 +951,151 @@ def auto(
         fake=bool(capture_options),
         criterion_bytes=costs_of(captured).criterion_peak_bytes,
     )
+    if fit is not None:
+        summary = dataclasses.replace(
+            summary,
+            method=chosen.method if fit.one_graph else method,
+            predicted_peak_bytes=fit.predicted,
+            compiled="one-graph" if fit.one_graph else "per-stage",
+            one_graph_over_bytes=fit.over,
+            compiled_note=fit.note,
+        )
     return planned, summary
+
+
+ONE_GRAPH_TRIALS = 3
+"""How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
+graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
+CANDIDATE_BUDGETS = 12
+"""Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
+when lowering the budget by what the graph measured over gives no new plan."""
+FLAT_METHOD = "hong-dp"
+"""The flat planner (no checkpoint inside another) a one-graph trial uses where ``method``'s
+plan nests checkpoints."""
+
+
+class _OneGraphFit(NamedTuple):
+    """What :func:`_fit_one_graph` chose."""
+
+    plan: Plan
+    """The plan, marked one-graph (:func:`remat.execute.chain.as_one_graph`) or not."""
+    predicted: int
+    """Its whole-step prediction: the chain's, plus what its one graph measured above it."""
+    over: int | None
+    """Bytes the one graph measured above the chain's prediction (of the plan run, or of the
+    first plan tried); None when none was measured."""
+    note: str
+    """The trials that did not fit (empty when the first did)."""
+
+    @property
+    def one_graph(self) -> bool:
+        return self.plan.params.get("compiled") == "one-graph"
+
+
+def _fit_one_graph(
+    first: Plan,
+    total: int | None,
+    plan_at: Callable[[int], Plan],
+    predicted: Callable[[Plan], int],
+    baseline: Callable[[Plan], int],
+    measure: Callable[[Plan], int],
+    candidates: Callable[[], Sequence[Plan]] = tuple,
+) -> _OneGraphFit:
+    """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
+
+    The chain predicts the step of the stages compiled one by one, not the one graph (its
+    recomputations and transients are the graph's), so each plan tried is measured compiled:
+    ``measure(plan)`` is the peak of its one-graph step with the captured loss and no
+    optimizer, and ``baseline(plan)`` the chain's prediction of that same step; what the graph
+    measured above it (``over``, at least 0) is added to the whole step's prediction
+    ``predicted(plan)``. When that exceeds ``total``, the next plan tried is the planner's for
+    the budget lowered by the excess (``plan_at``), or, where that one was tried already or
+    the budget is below the planner's least, the fastest of ``candidates()`` not tried yet
+    (:func:`auto`: the planner's plans over budgets from its least to ``total``, fastest
+    first); :data:`ONE_GRAPH_TRIALS` plans at most. A plan that nests checkpoints (one graph
+    cannot run it: the partitioner keeps the outer segment's activations) is not tried; a
+    nested ``first`` is replaced by ``plan_at(total)``, which :func:`auto` makes flat. If none
+    fits the first plan runs a graph per stage, as the chain predicts it, and the note says
+    what was measured."""
+    tried: list[str] = []
+    seen: set[str] = set()
+    first_over: int | None = None
+    pool: list[Plan] | None = None
+    plan: Plan | None = first
+    if _nested(first) and total is not None:
+        plan = _planned(plan_at, total)
+        if plan is None:
+            tried.append(f"{first.describe()} nests checkpoints, no flat plan for the budget")
+    while plan is not None and len(seen) < ONE_GRAPH_TRIALS:
+        if _nested(plan):
+            tried.append(f"{plan.describe()} nests checkpoints")
+            break
+        seen.add(plan.describe())
+        measured = measure(plan)
+        over = max(0, measured - baseline(plan))
+        first_over = over if first_over is None else first_over
+        whole = predicted(plan) + over
+        if total is None or whole <= total:
+            note = "one graph after: " + "; ".join(tried) if tried else ""
+            return _OneGraphFit(as_one_graph(plan), whole, over, note)
+        tried.append(f"{plan.describe()}: {whole:,} B ({over:,} B measured above the stages)")
+        plan = _planned(plan_at, total - (whole - total))
+        if plan is None or plan.describe() in seen or _nested(plan):
+            if pool is None:
+                pool = list(candidates())
+            plan = next((p for p in pool if p.describe() not in seen and not _nested(p)), None)
+    if plan is None and tried:
+        tried.append("no other plan")
+    note = "one graph over the budget: " + "; ".join(tried) if tried else ""
+    return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _planned(plan_at: Callable[[int], Plan], budget: int) -> Plan | None:
+    """``plan_at(budget)``, None below the planner's least budget."""
+    try:
+        return plan_at(budget)
+    except BudgetTooSmallError:
+        return None
+
+
+def _nested(plan: Plan) -> bool:
+    """Whether a checkpoint of ``plan`` holds another (one graph cannot run it)."""
+    return any(s.checkpoint and any(c.checkpoint for c in s.children) for s in plan.walk())
+
+
+def _one_graph_peak(
+    model: nn.Module,
+    planned: nn.Module,
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    inputs: Any,
+) -> int:
+    """The measured peak of one training step of ``planned`` (a one-graph compiled plan: an
+    untimed first step compiles it): ``loss(planned, inputs)``, its backward, gradients set
+    to None; the allocator's events on a CPU, ``max_memory_allocated`` on CUDA. The model's
+    gradients, buffers and RNG state are put back, and it runs on a copy of ``inputs``."""
+    buffers = BufferSnapshot(model)
+    grads = {p: p.grad for p in model.parameters()}
+    private = BatchCopy(inputs)
+    devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
+    cuda = any(p.device.type == "cuda" for p in model.parameters())
+
+    def step() -> None:
+        private.restore()
+        loss(planned, private.batch).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    try:
+        for p in grads:
+            p.grad = None
+        with torch.random.fork_rng(devices=devices), garbage_collected():
+            if cuda:
+                return cuda_step_peak_bytes(step)
+            return step_peak_bytes(step, model, None, private.batch)
+    finally:
+        buffers.restore()
+        for p, g in grads.items():
+            p.grad = g
 
 
 def _first_capture(

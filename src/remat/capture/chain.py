@@ -188,7 +188,8 @@ def capture(
 
     ``compile`` (``torch.compile`` keyword arguments; real tensors only): the plan will run
     compiled (``remat.apply(..., compile=...)``: each stage its own compiled graph, NOTE [ One
-    graph per stage ]), so each stage is measured as it will run, compiled
+    graph per stage ], or as one graph measured by ``remat.auto``, NOTE [ One compiled graph ]),
+    so each stage is measured as it will run, compiled
     (:func:`compile_stages`, :func:`measure_compiled_stage`): what it saves (its partitioner
     recomputes some pointwise ops instead of saving them: a GPT-2 block saves about 40% less
     than eager), its transients and parameter gradients by the allocator's own events, and
@@ -242,9 +243,13 @@ def _capture(
 
 def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[[Any], Any], ...]:
     """Each stage's module compiled on its own (``torch.compile`` with ``options``, static
-    shapes): what ``remat.apply(..., compile=...)`` runs and ``capture(compile=...)`` measures.
+    shapes): what ``remat.apply(..., compile=...)`` runs for a plan not marked one-graph and
+    ``capture(compile=...)`` measures.
 
-    NOTE [ One graph per stage ]: a compiled plan runs each stage as its own compiled graph
+    NOTE [ One graph per stage ]: a compiled plan that is not marked one-graph (what
+    ``remat.auto`` runs where no plan's one graph measured within the budget, and
+    ``remat.apply``'s default for a hand-made plan; NOTE [ One compiled graph ] in
+    remat.execute.chain is the other mode) runs each stage as its own compiled graph
     (the checkpointed segments around them are eager checkpoints), not the whole forward as
     one graph: so each stage saves, allocates and takes in the step exactly what it did when
     measured. In one graph the partitioner decides across stages, and the stages measured

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import dataclasses
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -56,6 +58,7 @@ from remat.measure.profile import loss_from_output
 
 __all__ = [
     "apply",
+    "as_one_graph",
     "PlannedModule",
     "SignatureMismatchError",
     "InPlaceInputError",
@@ -439,12 +442,26 @@ class _Executor:
                 mods = stages.modules[seg.start - 1 : seg.stop]
                 self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(_buffer_slots(mods))
         self.compiled: tuple[Callable[[Any], Any], ...] | None = None
+        """Per stage, its compiled graph (per-stage mode), else None."""
+        self.compiled_step: Callable[..., Any] | None = None
+        """The whole training forward as one compiled graph (one-graph mode), else None."""
         self._compiled_once = False
-        if compile_options is not None:
+        if compile_options is not None and one_graph_plan(plan):
+            # NOTE [ One compiled graph ]: one compiled function per plan (static shapes: a
+            # new input signature gets its own plan, so its own graph)
+            options = {"dynamic": False, **compile_options}
+            traced = types.MethodType(_own_code(_Executor._traced_step), self)
+            self.compiled_step = torch.compile(traced, **options)
+        elif compile_options is not None:
             # each stage its own graph (NOTE [ One graph per stage ]), inside the eager
             # checkpoints (nested ones too); one executor per plan:
             # a new input signature gets its own plan (static shapes: the plan is for these)
             self.compiled = compile_stages(stages, compile_options)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether training forwards run compiled (either mode): :meth:`step` runs them."""
+        return self.compiled is not None or self.compiled_step is not None
 
     def run(self, a: Any) -> Any:
         return self._run_segments(self.plan.segments, a)
@@ -508,13 +525,61 @@ class _Executor:
             raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
         return out
 
+    # NOTE [ One compiled graph ]: in one-graph mode (a flat plan whose ``params`` say
+    # ``"compiled": "one-graph"``: remat.auto measured it so, or apply(one_graph=True)) the
+    # whole training forward (``prepare``, the segments, ``finish``) is one torch.compile
+    # graph. Dynamo traces each non-reentrant ``checkpoint`` as the ``tag_activation_checkpoint``
+    # higher-order op; AOTAutograd tags the ops inside as recomputed, and the min-cut
+    # partitioner saves only the segment's inputs for the backward and recomputes the rest
+    # there. Outside checkpointed segments the partitioner is free as in any compiled model.
+    # Faster than a graph per stage (fusion across stages, no eager checkpoint machinery), but
+    # the step is not the stages measured alone: a recomputed segment's values live in the
+    # backward graph until read (a GPT-2 tiny block: 8.1 MB against the 4.5 MB it saves
+    # compiled alone), and the transients are the graph's. So its peak is not predicted from
+    # the chain: remat.auto measures the compiled step (allocator events) and plans again
+    # below the budget by what it measured over (remat.auto._fit_one_graph). Nested plans run
+    # a graph per stage: in one graph the partitioner kept every activation of the outer
+    # segment. The traced code is the executor without the eager memory hygiene (``del``,
+    # versions, buffer copies): the compiler frees each tensor after its last use and
+    # functionalises buffer updates (applied once per step).
+    def _traced_step(self, args: tuple, kwargs: dict) -> Any:
+        stages = self.stages
+        a = self._traced_segments(self.plan.segments, stages.prepare(*args, **kwargs))
+        return stages.finish(a, *args, **kwargs)
+
+    def _traced_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+        modules = self.stages.modules
+        for seg in segments:
+            if not seg.checkpoint:
+                for i in seg.stages():
+                    a = modules[i - 1](a)
+                continue
+            leaves, spec = tree_flatten(a)
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+            def run_children(
+                *ts: torch.Tensor,
+                children: Any = seg.children,
+                leaves: Any = leaves,
+                spec: Any = spec,
+            ) -> Any:
+                it = iter(ts)
+                rebuilt = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+                return self._traced_segments(children, tree_unflatten(rebuilt, spec))
+
+            a = checkpoint(run_children, *tensors, use_reentrant=False, preserve_rng_state=True)
+        return a
+
     def step(self, args: tuple, kwargs: dict) -> Any:
-        """A training forward with the compiled stages (``compiled`` must be set): ``prepare``
-        and ``finish`` eager, each stage its own compiled graph (NOTE [ One graph per stage ]
-        in remat.capture.chain), the checkpointed segments eager checkpoints around them. The
-        first call compiles; graph breaks inside a stage are warned about once (the code
-        around one runs eagerly, as it did when the stage was measured)."""
-        assert self.compiled is not None
+        """A compiled training forward (:attr:`compiles` must be true): in one-graph mode the
+        whole forward as one graph (NOTE [ One compiled graph ]), else ``prepare`` and
+        ``finish`` eager, each stage its own compiled graph (NOTE [ One graph per stage ] in
+        remat.capture.chain), the checkpointed segments eager checkpoints around them. The
+        first call compiles; graph breaks are warned about once (the code around one runs
+        eagerly)."""
+        assert self.compiles
+        if self.compiled_step is not None:
+            return self._one_graph_step(args, kwargs)
         stages = self.stages
         if self._compiled_once:
             return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
@@ -533,6 +598,71 @@ class _Executor:
                 stacklevel=3,
             )
         return out
+
+    def _one_graph_step(self, args: tuple, kwargs: dict) -> Any:
+        assert self.compiled_step is not None
+        # A segment's Python side effects happen once, in the forward (the eager executor keeps
+        # buffer updates out of recomputations too); without this, a balanced one such as
+        # transformers' mask code entering a TorchFunctionMode breaks the graph at the
+        # checkpoint and dynamo runs the whole executor loop eagerly.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            if self._compiled_once:
+                return self.compiled_step(args, kwargs)
+            from torch._dynamo.utils import counters
+
+            before = dict(counters["graph_break"])
+            out = self.compiled_step(args, kwargs)
+        self._compiled_once = True
+        breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
+        breaks = {k: v for k, v in breaks.items() if v > 0}
+        if breaks:
+            warnings.warn(
+                f"compile=True: torch.compile split the planned forward at {sum(breaks.values())}"
+                f" graph break(s) ({'; '.join(str(k).splitlines()[0] for k in breaks)}); "
+                "code around a break runs eagerly (a checkpointed segment that holds one is "
+                "an eager checkpoint: still recomputed, not fused)",
+                stacklevel=4,
+            )
+        return out
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own. Dynamo keeps its compiled graphs per code object,
+    at most ``torch._dynamo.config.recompile_limit`` (8) of them, and past that runs the frame
+    eagerly: every executor's step shares ``_traced_step``'s code, so the ninth plan of a
+    process (re-plans, one-graph trials) ran uncompiled. Each executor's step gets its own."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
+ONE_GRAPH = "one-graph"
+"""``Plan.params["compiled"]`` of a plan that runs compiled as one graph
+(NOTE [ One compiled graph ])."""
+
+
+def one_graph_plan(plan: Plan) -> bool:
+    """Whether ``plan`` runs compiled as one graph: its ``params`` say so and it is flat (no
+    checkpoint inside another)."""
+    return plan.params.get("compiled") == ONE_GRAPH and all(
+        not seg.checkpoint or not any(c.checkpoint for c in seg.children) for seg in plan.walk()
+    )
+
+
+def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
+    """``plan`` marked to run compiled as one graph (or, with ``one_graph=False``, not);
+    :class:`PlanError` for a nested plan (NOTE [ One compiled graph ])."""
+    params = {k: v for k, v in plan.params.items() if k != "compiled"}
+    if one_graph:
+        params["compiled"] = ONE_GRAPH
+    marked = dataclasses.replace(plan, params=params)
+    if one_graph and not one_graph_plan(marked):
+        raise PlanError(
+            f"plan {plan.describe()} nests a checkpoint inside another: it cannot run as one "
+            "compiled graph (the partitioner keeps the outer segment's activations); run it "
+            "with a graph per stage (one_graph=False)"
+        )
+    return marked
 
 
 def _segment_runner(
@@ -624,6 +754,7 @@ class PlannedModule(PlannedWrapper):
         replan: Callable[..., Plan] | None = None,
         early_stop: bool = True,
         compile: Mapping[str, Any] | None = None,
+        one_graph: bool | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -632,6 +763,8 @@ class PlannedModule(PlannedWrapper):
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_early_stop", early_stop)
         object.__setattr__(self, "_compile", compile)
+        object.__setattr__(self, "_one_graph", one_graph)
+        plan = self._marked(plan)
         object.__setattr__(self, "_watch", StageWatch(model, stages))
         executor = _Executor(stages, _resolve_plan(plan, stages), early_stop, compile)
         plans = SignaturePlans(
@@ -659,9 +792,16 @@ class PlannedModule(PlannedWrapper):
     def _executor(self) -> _Executor:
         return self._plans.current
 
+    def _marked(self, plan: Plan) -> Plan:
+        """``plan`` marked as apply's ``one_graph`` says (None: as the plan says)."""
+        return plan if self._one_graph is None else as_one_graph(plan, self._one_graph)
+
     def _build(self, plan: Plan, args: tuple, kwargs: dict) -> _Executor:
         return _Executor(
-            self._stages, _resolve_plan(plan, self._stages), self._early_stop, self._compile
+            self._stages,
+            _resolve_plan(self._marked(plan), self._stages),
+            self._early_stop,
+            self._compile,
         )
 
     def train(self, mode: bool = True) -> PlannedModule:
@@ -681,7 +821,7 @@ class PlannedModule(PlannedWrapper):
             return _run_plain(stages, args, kwargs)
         executor = self._executor_for(args, kwargs)
         with no_autocast_cache():  # each 16-bit weight copy lives as the capture measured it
-            if executor.compiled is not None:
+            if executor.compiles:
                 return executor.step(args, kwargs)
             a0 = stages.prepare(*args, **kwargs)
             return stages.finish(executor.run(a0), *args, **kwargs)
@@ -743,6 +883,7 @@ def apply(
     replan: Callable[..., Plan] | None = None,
     early_stop: bool = True,
     compile: bool | Mapping[str, Any] = False,
+    one_graph: bool | None = None,
 ) -> PlannedModule:
     """Wrap ``model`` so that its training steps run under ``plan``.
 
@@ -768,13 +909,22 @@ def apply(
             torch's own checkpoint at the same plan (``benchmarks/executor_overhead.py``).
             ``False`` runs exactly what the simulator predicts (forward counts equal; the
             tests of the cost model use it).
-        compile: run each stage of a training forward as its own ``torch.compile`` graph
-            (inductor, static shapes), with the plan's checkpoints (eager ones, nested
-            allowed) around them (NOTE [ One graph per stage ] in remat.capture.chain); graph
-            breaks inside a stage are warned about at the first call (code around one runs
-            eagerly). Each input signature (a re-plan) is compiled once. Eval mode and ``torch.no_grad()``
-            run the eager model. A mapping instead of ``True`` is passed to ``torch.compile``
-            as keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": ...}``).
+        compile: run training forwards compiled (inductor, static shapes). A plan marked
+            one-graph (``plan.params["compiled"] == "one-graph"``: what :func:`remat.auto`
+            chose after measuring it within the budget, or ``one_graph=True``) runs the whole
+            forward as one ``torch.compile`` graph, the checkpointed segments as torch's
+            checkpoint operator inside it (NOTE [ One compiled graph ]: faster, its peak
+            measured, not predicted by the chain); any other plan runs each stage as its own
+            compiled graph with the plan's checkpoints (eager ones, nested allowed) around
+            them (NOTE [ One graph per stage ] in remat.capture.chain: predicted from the
+            compiled capture). Graph breaks are warned about at the first call (code around
+            one runs eagerly). Each input signature (a re-plan) is compiled once. Eval mode
+            and ``torch.no_grad()`` run the eager model. A mapping instead of ``True`` is
+            passed to ``torch.compile`` as keyword arguments (``{"mode": "max-autotune"}``,
+            ``{"backend": ...}``).
+        one_graph: with ``compile``, ``True`` runs every plan (re-plans too) as one graph
+            (:class:`PlanError` for a nested plan), ``False`` a graph per stage; ``None``
+            (default) as each plan says.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -796,6 +946,7 @@ def apply(
         replan=replan,
         early_stop=early_stop,
         compile=compile_options(compile),
+        one_graph=one_graph,
     )
 
 
