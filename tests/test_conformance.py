@@ -48,13 +48,6 @@ DETECTION_CALLS = (
     "forward is not deterministic in its calls'; when capture happens to succeed, the minimum "
     "auto names (87.5 MB) is above the eager step's measured peak (75.3 MB)"
 )
-ABOVE_EVERY_BLOCK = (
-    "remat's least whole-step peak is above what checkpointing every block measures (chain "
-    "path: hf-gpt2 680656 vs 679660 B, hf-llama 514900 vs 513888 B, by the 1 KiB allocator "
-    "slack StepCosts.slack_bytes counts all step): auto refuses that budget. The chain "
-    "path's checkpoint RNG states, once counted for every segment all step (685712 and "
-    "519956 B), now live from a segment's forward to its backward"
-)
 XFAIL: dict[tuple[str, str], str | tuple[str, bool]] = {
     # passed on this machine in 2 of 2 runs on 2026-11-27 (and on the commit before), failed in
     # CI's fresh clone the same day: it depends on the proposals sampled
@@ -128,8 +121,12 @@ def test_auto_below_the_chain_minimum_stays_within_the_budget(name: str) -> None
 
 # one model per family and path: what checkpointing every block reaches, remat must reach
 EVERY_BLOCK = {
-    "hf-gpt2": ABOVE_EVERY_BLOCK,  # chain path, HF gradient checkpointing
-    "hf-llama": ABOVE_EVERY_BLOCK,  # chain path
+    # chain path, HF gradient checkpointing. auto named 680656 / 514900 B against 679660 /
+    # 513888 B measured (a 1 KiB slack counted all step); the wrapped scalars autograd saves
+    # (GPT-2's GELU), the loss and its gradient seed are counted where they live now: the named
+    # minimum is the measured peak, 679660 / 513888 B (tests/test_step_scalars.py)
+    "hf-gpt2": None,
+    "hf-llama": None,  # chain path
     "hf-bert": None,  # graph path
     "timm-vit": None,
     "tv-resnet10": None,  # chain path, checkpoint per BasicBlock
