@@ -141,19 +141,11 @@ EVERY_BLOCK = {
         "(1855376 B) is above it and auto refuses",
         False,
     ),
-    # graph path below its blocks chain's least. Its plans were under-predicted (measured
-    # 426536 B at a 421976 B budget, predicted 419844 B: the causal mask, no gradient, kept by
-    # the checkpoints; Graph.constants now): exact since (predicted 420356 B, measured 418856 B
-    # when a plan fits). Whether one fits depends on the measured times (which plan the MILP
-    # draws at that activation budget); with the branch-merge rule auto refused in 3 of 3 runs,
-    # naming 424960 B (at which it plans 422980 B predicted, 421976 B measured); not strict
-    "hf-opt": (
-        "remat's least whole-step peak on OPT's graph path is above what checkpointing every "
-        "block measures: auto refuses 421976 B naming 424960 B in most runs (no "
-        "under-prediction: in one run before the merge rule it planned 420356 B predicted, "
-        "418856 B measured)",
-        False,
-    ),
+    # auto refused 421976 B (what every block checkpointed measures) naming 424960 B on the
+    # graph path; the chain path's least is now that measured peak, 421976 B, and auto plans
+    # the chain there (predicted 421976 B, measured 421976 B); below it, the graph path
+    # (least 409472 B, measured 407960 B)
+    "hf-opt": None,
 }
 
 

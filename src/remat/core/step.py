@@ -22,8 +22,12 @@ activation timeline; this module adds what lives beside the activations:
   backward run), and ``output_grad_bytes``, the output's gradient its backward makes, from then
   to the end of the model's first backward operation (the last stage's or node's, after any
   recomputation of it): :func:`criterion_costs`, an upper bound over :data:`CRITERIA`;
+* the small tensors no stage cost sees, where they live: the wrapped scalars each forward
+  keeps to its backward (``forward_kept_bytes``) and the loss with the gradient its backward
+  is seeded with (``loss_bytes``), through the whole backward;
 * the optimizer step, the step's last phase: persistent state, every gradient, the batch
-  (``input_bytes``), the held output and ``optimizer_step_bytes`` of the step's temporaries.
+  (``input_bytes``), the held output, the loss and ``optimizer_step_bytes`` of the step's
+  temporaries.
 
 Pure Python: no torch (the layer rule of /work/shared/architecture.md).
 
