@@ -65,7 +65,7 @@ from remat.execute.graph import apply_graph
 from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
 from remat.guards import check_no_own_checkpointing, check_not_wrapped
 from remat.measure.calibration import planning_device, time_model_for
-from remat.measure.events import SCRATCH_MIN_BYTES, device_library_bytes
+from remat.measure.events import SCRATCH_MIN_BYTES, allocated_bytes, device_library_bytes
 from remat.measure.profile import default_loss_fn, optimizer_costs
 from remat.planners import BudgetTooSmallError
 from remat.planning import chain_timeline, plan_for_step, step_peak_of
@@ -363,11 +363,13 @@ def scalar_costs(captured: Captured) -> dict[str, Any]:
     """The :class:`~remat.core.step.StepCosts` fields of the small tensors a capture's stage
     costs leave out, counted where they live: the wrapped scalars each stage's forward keeps
     (:attr:`remat.capture.chain.Captured.forward_kept_bytes`) and the loss with its gradient
-    seed (the chain's last output, :attr:`remat.core.step.StepCosts.loss_bytes`)."""
+    seed (the chain's last output, :attr:`remat.core.step.StepCosts.loss_bytes`; on CUDA the
+    allocator's block each takes, :func:`remat.measure.events.allocated_bytes`)."""
     kept = captured.forward_kept_bytes
+    device = next((p.device for m in captured.stages.modules for p in m.parameters()), None)
     return {
         "forward_kept_bytes": kept if any(kept) else (),
-        "loss_bytes": captured.chain.out_bytes[-1],
+        "loss_bytes": allocated_bytes(captured.chain.out_bytes[-1], device),
     }
 
 
