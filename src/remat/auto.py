@@ -362,13 +362,17 @@ def total_peak_bytes(
 def scalar_costs(captured: Captured) -> dict[str, Any]:
     """The :class:`~remat.core.step.StepCosts` fields of the small tensors a capture's stage
     costs leave out, counted where they live: the wrapped scalars each stage's forward keeps
-    (:attr:`remat.capture.chain.Captured.forward_kept_bytes`) and the loss with its gradient
+    (:attr:`remat.capture.chain.Captured.forward_kept_bytes`), the allocator-only bytes below
+    1 KiB at each stage's peaks (:attr:`remat.capture.chain.Captured.small_scratch_bytes`)
+    and the loss with its gradient
     seed (the chain's last output, :attr:`remat.core.step.StepCosts.loss_bytes`; on CUDA the
     allocator's block each takes, :func:`remat.measure.events.allocated_bytes`)."""
     kept = captured.forward_kept_bytes
     device = next((p.device for m in captured.stages.modules for p in m.parameters()), None)
+    small = captured.small_scratch_bytes
     return {
         "forward_kept_bytes": kept if any(kept) else (),
+        "op_scratch_bytes": small if any(f or b for f, b in small) else (),
         "loss_bytes": allocated_bytes(captured.chain.out_bytes[-1], device),
     }
 

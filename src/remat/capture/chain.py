@@ -86,6 +86,7 @@ from remat.core.chain import Chain
 from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
+    SCRATCH_MIN_BYTES,
     AllocatorWindow,
     garbage_collected,
     output_tensors,
@@ -129,6 +130,10 @@ class Captured:
     """The output has its own ``.loss`` tensor (a Hugging Face model given labels, a model that
     computes its criterion inside): the loss remat captured is the loop's, not the output's
     sum, and no criterion of the loop's is left to count."""
+    small_scratch_bytes: tuple[tuple[int, int], ...] = ()
+    """Per stage, ``(forward, backward)`` allocator-only bytes below 1 KiB at its peaks
+    (:attr:`StageCost.small_scratch_bytes`): :attr:`remat.core.step.StepCosts.
+    op_scratch_bytes`. Empty when unknown (fake tensors)."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage, the wrapped scalars its forward saves without the saved-tensor hooks
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
@@ -162,6 +167,11 @@ class StageCost:
     kept_scalar_bytes: int = 0
     """Bytes of the wrapped scalars autograd saves in the forward (:func:`unhooked_saved`):
     kept from the stage's first forward to its backward whether or not the forward stores."""
+    small_scratch_bytes: tuple[int, int] = (0, 0)
+    """``(forward, backward)``: what the allocator saw above the tracked tensors at the peak
+    when it is below :data:`remat.measure.events.SCRATCH_MIN_BYTES` (left out of the
+    overheads, so that real and fake captures agree): a kernel's small workspace (layer norm's
+    backward, 512 B in ViT's head) or the scalars of Python numbers. 0 on fake tensors."""
 
 
 def capture_chain(
@@ -228,7 +238,7 @@ def _capture(
 ) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            chain, rises, output, kept = _measure_chain(
+            chain, rises, output, kept, small = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -239,14 +249,16 @@ def _capture(
         try:
             with torch.random.fork_rng(devices=devices):
                 calls = None if compile is None else compile_stages(split, compile)
-                chain, rises, output, kept = _measure_chain(
+                chain, rises, output, kept, small = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
         finally:
             buffers.restore()
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split, rises, *output, forward_kept_bytes=kept)
+    return Captured(
+        chain, split, rises, *output, small_scratch_bytes=small, forward_kept_bytes=kept
+    )
 
 
 def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[[Any], Any], ...]:
@@ -403,7 +415,9 @@ def _measure_chain(
     progress: bool,
     time_model: TimeModel | None = None,
     calls: Sequence[Callable[[Any], Any]] | None = None,
-) -> tuple[Chain, tuple[int, ...], tuple[int, int, bool], tuple[int, ...]]:
+) -> tuple[
+    Chain, tuple[int, ...], tuple[int, int, bool], tuple[int, ...], tuple[tuple[int, int], ...]
+]:
     """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
     measured by :func:`measure_compiled_stage`)."""
     from tqdm.auto import tqdm
@@ -529,6 +543,7 @@ def _measure_chain(
         tuple(c.grad_rise_bytes for c in costs),
         held[0] if held else (0, 0, False),
         tuple(c.kept_scalar_bytes for c in costs),
+        tuple(c.small_scratch_bytes for c in costs),
     )
 
 
@@ -593,6 +608,7 @@ def measure_stage(
             out = run(_entered(x))
         fwd_tracked = tracker.window_peak - base
         fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
+        fwd_small = _small_scratch(_peak(fwd_alloc), fwd_tracked)
         out_tensors = _tensors(out)
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
@@ -613,6 +629,7 @@ def measure_stage(
                 seed.backward(seed_grad)
         # scratch memory only the allocator saw (it counts parameter gradients too)
         scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
+        bwd_small = _small_scratch(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
@@ -635,6 +652,7 @@ def measure_stage(
         fwd_time=fwd_time,
         bwd_time=bwd_time,
         kept_scalar_bytes=sum(scalars.values()),
+        small_scratch_bytes=(fwd_small, bwd_small),
     )
     return cost, next_input
 
@@ -855,6 +873,13 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
         )
 
     return AllocatorWindow(device), AllocatorWindow(device)
+
+
+def _small_scratch(allocator_peak: int, tracked_peak: int) -> int:
+    """The allocator's peak above the tracked one when it is below
+    :data:`remat.measure.events.SCRATCH_MIN_BYTES` (above it, it is in the overheads), else 0."""
+    extra = allocator_peak - tracked_peak
+    return extra if 0 < extra < SCRATCH_MIN_BYTES and allocator_peak > 0 else 0
 
 
 def _peak(window: Any) -> int:

@@ -181,7 +181,8 @@ class StepCosts:
     slack_bytes: int = 0
     """Bytes counted all step beside the rest for what a capture cannot see (the graph path's
     allocator-only scalars: :data:`remat.measure.events.SCRATCH_MIN_BYTES`); the chain path
-    counts them where they live instead (:attr:`forward_kept_bytes`, :attr:`loss_bytes`): 0."""
+    counts them where they live instead (:attr:`forward_kept_bytes`, :attr:`op_scratch_bytes`,
+    :attr:`loss_bytes`): 0."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage (0-based) or node, bytes that every forward of it keeps until its backward,
     whether the forward stores its activations or runs inside a checkpoint: the wrapped
@@ -189,6 +190,14 @@ class StepCosts:
     :mod:`remat.capture.chain`; 24 B per GPT-2 block). :func:`step_peak` counts them from the
     first forward through the backward's peak, and once more on each recomputation, until the
     next backward (the recomputed graph that holds them dies with the recomputation). Empty:
+    none."""
+    op_scratch_bytes: tuple[tuple[int, int], ...] = ()
+    """Per stage or node, ``(forward, backward)``: the allocator-only bytes below 1 KiB its
+    forward's and backward's peaks had beside the tracked tensors when captured on real tensors
+    (a kernel's small workspace: layer norm's backward, 512 B; the scalars of Python numbers),
+    which the stage costs leave out so that real and fake captures agree
+    (:attr:`remat.capture.chain.StageCost.small_scratch_bytes`). :func:`step_peak` adds them to
+    the peak of each forward (recomputations too) and backward event of that index. Empty:
     none."""
     loss_bytes: int = 0
     """The loss tensor's bytes. The simulator frees the loss and its gradient at the last
@@ -242,6 +251,14 @@ class StepCosts:
                 f"forward_kept_bytes has {len(self.forward_kept_bytes)} entries, grad_bytes "
                 f"{len(self.grad_bytes)}"
             )
+        object.__setattr__(
+            self, "op_scratch_bytes", tuple((int(f), int(b)) for f, b in self.op_scratch_bytes)
+        )
+        if self.op_scratch_bytes and len(self.op_scratch_bytes) != len(self.grad_bytes):
+            raise ValueError(
+                f"op_scratch_bytes has {len(self.op_scratch_bytes)} entries, grad_bytes "
+                f"{len(self.grad_bytes)}"
+            )
         for name in (
             "output_held_bytes",
             "criterion_peak_bytes",
@@ -289,6 +306,12 @@ def step_peak(
         timeline = _with_forward_kept(timeline, costs.forward_kept_bytes)
     if costs.loss_bytes:
         timeline = _with_loss(timeline, costs.loss_bytes)
+    if any(f or b for f, b in costs.op_scratch_bytes):
+        scratch = costs.op_scratch_bytes
+        timeline = [
+            e if e.index < 0 else e._replace(peak_bytes=e.peak_bytes + scratch[e.index][e.backward])
+            for e in timeline
+        ]
     if costs.criterion_peak_bytes or costs.output_grad_bytes:
         timeline = _with_criterion(timeline, costs)
     grads_of = costs.grad_bytes
