@@ -15,6 +15,7 @@ from remat import zoo
 from remat.measure.events import step_peak_bytes
 from remat.measure.profile import (
     CATEGORIES,
+    OPTIMIZER_SCALAR_BYTES,
     MemoryReport,
     default_loss_fn,
     profile,
@@ -288,10 +289,12 @@ def test_optimizer_costs_take_the_real_optimizers_implementation(monkeypatch):
     steps = 4 * len(list(model.parameters()))  # a float32 step counter per parameter
     state, transient = costs()
     assert state == 2 * params + steps  # exp_avg, exp_avg_sq
-    assert transient == 2 * largest  # CPU: the for-loop implementation
-    assert costs(foreach=True) == (state, params)
+    # CPU: the for-loop implementation, and a wrapped scalar with its float copy
+    scalar = OPTIMIZER_SCALAR_BYTES + 4
+    assert transient == 2 * largest + scalar
+    assert costs(foreach=True) == (state, params + scalar)
     monkeypatch.setattr(
         torch_optimizer, "_default_to_fused_or_foreach", lambda *a, **k: (False, True)
     )
-    assert costs() == (state, params)  # what a CUDA optimizer would choose
+    assert costs() == (state, params + scalar)  # what a CUDA optimizer would choose
     assert all(p.grad is None for p in model.parameters())

@@ -73,6 +73,7 @@ from remat.guards import (
 from remat.measure.calibration import planning_device, time_model_for
 from remat.measure.events import (
     SCRATCH_MIN_BYTES,
+    allocated_bytes,
     allocation_bytes,
     cuda_step_peak_bytes,
     device_library_bytes,
@@ -371,6 +372,7 @@ def total_peak_bytes(
     segment_state_bytes: int | None = None,
     optimizer_step_bytes: int = 0,
     output_held_bytes: int = 0,
+    scalars: dict[str, Any] | None = None,
 ) -> int:
     """The whole step's predicted peak (:func:`remat.core.step.step_peak` over the chain's simulated
     timeline): ``persistent`` bytes (parameters, buffers, optimizer state) + the model output
@@ -383,7 +385,8 @@ def total_peak_bytes(
     often made after the backward's activation peak), after it all of ``grad_bytes[i]``;
     without ``grad_rise_bytes``, all of it during the backward too. The step ends with the
     optimizer step: every gradient, the batch, the held output and ``optimizer_step_bytes`` of
-    its temporaries (:func:`remat.measure.profile.optimizer_costs`)."""
+    its temporaries (:func:`remat.measure.profile.optimizer_costs`). ``scalars``:
+    :func:`scalar_costs` of the capture (none: not counted)."""
     costs = StepCosts(
         persistent_bytes=persistent,
         grad_bytes=tuple(grad_bytes),
@@ -391,8 +394,27 @@ def total_peak_bytes(
         optimizer_step_bytes=optimizer_step_bytes,
         output_held_bytes=output_held_bytes,
         input_bytes=chain.input_bytes,
+        **(scalars or {}),
     )
     return chain_step_peak(chain, plan, costs, segment_state_bytes)
+
+
+def scalar_costs(captured: Captured) -> dict[str, Any]:
+    """The :class:`~remat.core.step.StepCosts` fields of the small tensors a capture's stage
+    costs leave out, counted where they live: the wrapped scalars each stage's forward keeps
+    (:attr:`remat.capture.chain.Captured.forward_kept_bytes`), the allocator-only bytes below
+    1 KiB at each stage's peaks (:attr:`remat.capture.chain.Captured.small_scratch_bytes`)
+    and the loss with its gradient
+    seed (the chain's last output, :attr:`remat.core.step.StepCosts.loss_bytes`; on CUDA the
+    allocator's block each takes, :func:`remat.measure.events.allocated_bytes`)."""
+    kept = captured.forward_kept_bytes
+    device = next((p.device for m in captured.stages.modules for p in m.parameters()), None)
+    small = captured.small_scratch_bytes
+    return {
+        "forward_kept_bytes": kept if any(kept) else (),
+        "op_scratch_bytes": small if any(f or b for f, b in small) else (),
+        "loss_bytes": allocated_bytes(captured.chain.out_bytes[-1], device),
+    }
 
 
 def chain_step_peak(
@@ -440,6 +462,7 @@ def predicted_step_peak_bytes(
         captured.grad_rise_bytes,
         optimizer_step_bytes=step_bytes,
         output_held_bytes=output_held_bytes(loop, captured.output_bytes),
+        scalars=scalar_costs(captured),
     )
 
 
@@ -772,7 +795,6 @@ def auto(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
-    slack = SCRATCH_MIN_BYTES  # allocator-only bytes no capture counts (wrapped scalars)
 
     def costs_of(new: Captured, now: _Trained | None = None) -> StepCosts:
         fixed_now, grads_now, step_now, live = now or (fixed, grads, step_bytes, False)
@@ -784,7 +806,7 @@ def auto(
             grads_live=live,
             output_held_bytes=output_held_bytes(loop, new.output_bytes),
             input_bytes=new.chain.input_bytes,
-            slack_bytes=slack,
+            **scalar_costs(new),
             checkpoint_state_bytes=checkpoint_state_bytes(),
             **_criterion(loss_fn, batch, new, loop),
         )

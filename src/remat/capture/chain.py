@@ -86,6 +86,7 @@ from remat.core.chain import Chain
 from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
+    SCRATCH_MIN_BYTES,
     AllocatorWindow,
     garbage_collected,
     output_tensors,
@@ -102,6 +103,7 @@ __all__ = [
     "compile_stages",
     "measure_compiled_stage",
     "measure_stage",
+    "unhooked_saved",
 ]
 
 
@@ -128,6 +130,15 @@ class Captured:
     """The output has its own ``.loss`` tensor (a Hugging Face model given labels, a model that
     computes its criterion inside): the loss remat captured is the loop's, not the output's
     sum, and no criterion of the loop's is left to count."""
+    small_scratch_bytes: tuple[tuple[int, int], ...] = ()
+    """Per stage, ``(forward, backward)`` allocator-only bytes below 1 KiB at its peaks
+    (:attr:`StageCost.small_scratch_bytes`): :attr:`remat.core.step.StepCosts.
+    op_scratch_bytes`. Empty when unknown (fake tensors)."""
+    forward_kept_bytes: tuple[int, ...] = ()
+    """Per stage, the wrapped scalars its forward saves without the saved-tensor hooks
+    (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
+    them, a checkpointed one too, until its backward (:attr:`remat.core.step.StepCosts.
+    forward_kept_bytes`); not in ``saved_bytes``. Empty when unknown."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,14 @@ class StageCost:
     """Forward seconds (median) or FLOPs."""
     bwd_time: float
     """Backward seconds (median) or FLOPs."""
+    kept_scalar_bytes: int = 0
+    """Bytes of the wrapped scalars autograd saves in the forward (:func:`unhooked_saved`):
+    kept from the stage's first forward to its backward whether or not the forward stores."""
+    small_scratch_bytes: tuple[int, int] = (0, 0)
+    """``(forward, backward)``: what the allocator saw above the tracked tensors at the peak
+    when it is below :data:`remat.measure.events.SCRATCH_MIN_BYTES` (left out of the
+    overheads, so that real and fake captures agree): a kernel's small workspace (layer norm's
+    backward, 512 B in ViT's head) or the scalars of Python numbers. 0 on fake tensors."""
 
 
 def capture_chain(
@@ -220,7 +239,7 @@ def _capture(
 ) -> Captured:
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
-            chain, rises, output = _measure_chain(
+            chain, rises, output, kept, small = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -231,14 +250,16 @@ def _capture(
         try:
             with torch.random.fork_rng(devices=devices):
                 calls = None if compile is None else compile_stages(split, compile)
-                chain, rises, output = _measure_chain(
+                chain, rises, output, kept, small = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
         finally:
             buffers.restore()
             for p, g in grads.items():
                 p.grad = g
-    return Captured(chain, split, rises, *output)
+    return Captured(
+        chain, split, rises, *output, small_scratch_bytes=small, forward_kept_bytes=kept
+    )
 
 
 def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[[Any], Any], ...]:
@@ -399,7 +420,9 @@ def _measure_chain(
     progress: bool,
     time_model: TimeModel | None = None,
     calls: Sequence[Callable[[Any], Any]] | None = None,
-) -> tuple[Chain, tuple[int, ...], tuple[int, int, bool]]:
+) -> tuple[
+    Chain, tuple[int, ...], tuple[int, int, bool], tuple[int, ...], tuple[tuple[int, int], ...]
+]:
     """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
     measured by :func:`measure_compiled_stage`)."""
     from tqdm.auto import tqdm
@@ -520,7 +543,13 @@ def _measure_chain(
         time_unit="flop" if fake and time_model is None else "s",
         stages_fingerprint=split.fingerprint,
     )
-    return chain, tuple(c.grad_rise_bytes for c in costs), held[0] if held else (0, 0, False)
+    return (
+        chain,
+        tuple(c.grad_rise_bytes for c in costs),
+        held[0] if held else (0, 0, False),
+        tuple(c.kept_scalar_bytes for c in costs),
+        tuple(c.small_scratch_bytes for c in costs),
+    )
 
 
 def measure_stage(
@@ -584,11 +613,15 @@ def measure_stage(
             out = run(_entered(x))
         fwd_tracked = tracker.window_peak - base
         fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
+        fwd_small = _small_scratch(_peak(fwd_alloc), fwd_tracked)
         out_tensors = _tensors(out)
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
+        scalars = unhooked_saved(out_tensors, {**skip, **kept}, device)
         saved_bytes = sum(kept.values())
         seed, grad_bytes = _seed(out_tensors)
+        # the seed's own gradient, made before the window: a whole step has no such tensor
+        seed_grad = None if seed is None else torch.ones_like(seed)
         # the next stage gets a copy: the output itself must be free to go when autograd
         # releases it (a saved output is freed partway through the backward, as in a step)
         next_input = tree_map_only(torch.Tensor, _fresh_copy, out)
@@ -598,13 +631,14 @@ def measure_stage(
         tracker.set_phase("backward")
         with bwd_counter, bwd_alloc:
             if seed is not None:
-                seed.backward()
+                seed.backward(seed_grad)
         # scratch memory only the allocator saw (it counts parameter gradients too)
         scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
+        bwd_small = _small_scratch(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
-        del seed
+        del seed, seed_grad
     reset()
 
     # time: FLOPs or modelled seconds under fake tensors, else the median of `repeats` runs
@@ -622,6 +656,8 @@ def measure_stage(
         grad_rise_bytes=grad_rise,
         fwd_time=fwd_time,
         bwd_time=bwd_time,
+        kept_scalar_bytes=sum(scalars.values()),
+        small_scratch_bytes=(fwd_small, bwd_small),
     )
     return cost, next_input
 
@@ -738,6 +774,47 @@ def _timed_runs(
     return statistics.median(fwd_times), statistics.median(bwd_times)
 
 
+def unhooked_saved(
+    outputs: Iterable[torch.Tensor], known: Mapping[int, int], device: torch.device | None
+) -> dict[int, int]:
+    """Storages (``_cdata`` key: bytes) on ``device`` that the autograd graph behind
+    ``outputs`` saves for its backward and that are not in ``known``: the tensors autograd
+    saves without calling ``saved_tensors_hooks``.
+
+    NOTE [ Saved wrapped scalars ]: a Python number an operation takes (``0.5 * x``,
+    ``x.pow(3.0)``'s sibling ``0.044715 * x``) becomes a *wrapped number*, a 0-dim double
+    tensor (8 bytes) made by the argument parser, not by a dispatched operation, so no
+    TorchDispatchMode sees it; and autograd saves a wrapped number without the saved-tensor
+    hooks (torch's SavedVariable), so the hooks that count ``saved_bytes`` miss it too. It
+    lives from the forward to the backward like any saved tensor: three per GELU of GPT-2
+    (``NewGELUActivation``), 24 bytes per block, the bytes by which every-block checkpointing
+    measured above the whole-step prediction (hf-gpt2: 679,660 B measured, 679,632 B
+    predicted without them). On CUDA they stay on the CPU (not on ``device``: not counted)."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(fn for fn, _ in node.next_functions)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # a saved tensor already freed
+                continue
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if not isinstance(t, torch.Tensor) or (device is not None and t.device != device):
+                    continue
+                storage = t.untyped_storage()
+                if storage._cdata not in known:
+                    found[storage._cdata] = storage.nbytes()
+    return found
+
+
 def _identity(t: Any) -> Any:
     return t
 
@@ -801,6 +878,13 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
         )
 
     return AllocatorWindow(device), AllocatorWindow(device)
+
+
+def _small_scratch(allocator_peak: int, tracked_peak: int) -> int:
+    """The allocator's peak above the tracked one when it is below
+    :data:`remat.measure.events.SCRATCH_MIN_BYTES` (above it, it is in the overheads), else 0."""
+    extra = allocator_peak - tracked_peak
+    return extra if 0 < extra < SCRATCH_MIN_BYTES and allocator_peak > 0 else 0
 
 
 def _peak(window: Any) -> int:

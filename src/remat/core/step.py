@@ -22,8 +22,12 @@ activation timeline; this module adds what lives beside the activations:
   backward run), and ``output_grad_bytes``, the output's gradient its backward makes, from then
   to the end of the model's first backward operation (the last stage's or node's, after any
   recomputation of it): :func:`criterion_costs`, an upper bound over :data:`CRITERIA`;
+* the small tensors no stage cost sees, where they live: the wrapped scalars each forward
+  keeps to its backward (``forward_kept_bytes``) and the loss with the gradient its backward
+  is seeded with (``loss_bytes``), through the whole backward;
 * the optimizer step, the step's last phase: persistent state, every gradient, the batch
-  (``input_bytes``), the held output and ``optimizer_step_bytes`` of the step's temporaries.
+  (``input_bytes``), the held output, the loss and ``optimizer_step_bytes`` of the step's
+  temporaries.
 
 Pure Python: no torch (the layer rule of /work/shared/architecture.md).
 
@@ -175,9 +179,33 @@ class StepCosts:
     grads_live: bool = False
     """True when every parameter gradient is live from the step's start (accumulation)."""
     slack_bytes: int = 0
-    """Allocator-only bytes a real capture leaves out (the wrapped scalars of Python numbers
-    below :data:`remat.measure.events.SCRATCH_MIN_BYTES` per operation: a few dozen bytes live at a
-    loss's backward); counted all step so that a budget equal to a prediction holds."""
+    """Bytes counted all step beside the rest for what a capture cannot see (the graph path's
+    allocator-only scalars: :data:`remat.measure.events.SCRATCH_MIN_BYTES`); the chain path
+    counts them where they live instead (:attr:`forward_kept_bytes`, :attr:`op_scratch_bytes`,
+    :attr:`loss_bytes`): 0."""
+    forward_kept_bytes: tuple[int, ...] = ()
+    """Per stage (0-based) or node, bytes that every forward of it keeps until its backward,
+    whether the forward stores its activations or runs inside a checkpoint: the wrapped
+    scalars autograd saves without the saved-tensor hooks (NOTE [ Saved wrapped scalars ] in
+    :mod:`remat.capture.chain`; 24 B per GPT-2 block). :func:`step_peak` counts them from the
+    first forward through the backward's peak, and once more on each recomputation, until the
+    next backward (the recomputed graph that holds them dies with the recomputation). Empty:
+    none."""
+    op_scratch_bytes: tuple[tuple[int, int], ...] = ()
+    """Per stage or node, ``(forward, backward)``: the allocator-only bytes below 1 KiB its
+    forward's and backward's peaks had beside the tracked tensors when captured on real tensors
+    (a kernel's small workspace: layer norm's backward, 512 B; the scalars of Python numbers),
+    which the stage costs leave out so that real and fake captures agree
+    (:attr:`remat.capture.chain.StageCost.small_scratch_bytes`). :func:`step_peak` adds them to
+    the peak of each forward (recomputations too) and backward event of that index. Empty:
+    none."""
+    loss_bytes: int = 0
+    """The loss tensor's bytes. The simulator frees the loss and its gradient at the last
+    stage's backward; in a step, ``loss.backward()`` holds the loss and
+    ``torch.autograd.backward`` the gradient it seeds (``ones_like(loss)``) until the whole
+    backward returns, and the loop's ``loss`` lives through the optimizer step:
+    :func:`step_peak` counts two of it from the first backward event on and one at the
+    optimizer step."""
     checkpoint_state_bytes: int = 0
     """What the executor keeps per checkpointed segment until its backward (the RNG states
     saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
@@ -215,7 +243,28 @@ class StepCosts:
                 f"checkpoint_states must be one of {sorted(CHECKPOINT_STATES)}, got "
                 f"{self.checkpoint_states!r}"
             )
-        for name in ("output_held_bytes", "criterion_peak_bytes", "output_grad_bytes"):
+        object.__setattr__(
+            self, "forward_kept_bytes", tuple(int(b) for b in self.forward_kept_bytes)
+        )
+        if self.forward_kept_bytes and len(self.forward_kept_bytes) != len(self.grad_bytes):
+            raise ValueError(
+                f"forward_kept_bytes has {len(self.forward_kept_bytes)} entries, grad_bytes "
+                f"{len(self.grad_bytes)}"
+            )
+        object.__setattr__(
+            self, "op_scratch_bytes", tuple((int(f), int(b)) for f, b in self.op_scratch_bytes)
+        )
+        if self.op_scratch_bytes and len(self.op_scratch_bytes) != len(self.grad_bytes):
+            raise ValueError(
+                f"op_scratch_bytes has {len(self.op_scratch_bytes)} entries, grad_bytes "
+                f"{len(self.grad_bytes)}"
+            )
+        for name in (
+            "output_held_bytes",
+            "criterion_peak_bytes",
+            "output_grad_bytes",
+            "loss_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -231,8 +280,9 @@ class StepCosts:
 
     @property
     def optimizer_phase_bytes(self) -> int:
-        """The optimizer step: every gradient, the batch, the held output, its temporaries."""
-        return self.fixed_bytes + self.input_bytes + self.optimizer_step_bytes
+        """The optimizer step: every gradient, the batch, the held output, the loss, its
+        temporaries."""
+        return self.fixed_bytes + self.input_bytes + self.loss_bytes + self.optimizer_step_bytes
 
 
 def step_peak(
@@ -251,6 +301,16 @@ def step_peak(
         timeline = [
             e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
             for e, b in zip(timeline, states, strict=True)
+        ]
+    if any(costs.forward_kept_bytes):
+        timeline = _with_forward_kept(timeline, costs.forward_kept_bytes)
+    if costs.loss_bytes:
+        timeline = _with_loss(timeline, costs.loss_bytes)
+    if any(f or b for f, b in costs.op_scratch_bytes):
+        scratch = costs.op_scratch_bytes
+        timeline = [
+            e if e.index < 0 else e._replace(peak_bytes=e.peak_bytes + scratch[e.index][e.backward])
+            for e in timeline
         ]
     if costs.criterion_peak_bytes or costs.output_grad_bytes:
         timeline = _with_criterion(timeline, costs)
@@ -277,6 +337,46 @@ def step_peak(
                 continue
             peak = max(peak, held + grads + e.peak_bytes)
     return max(peak, costs.optimizer_phase_bytes)
+
+
+def _with_forward_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[StepEvent]:
+    """``timeline`` with :attr:`StepCosts.forward_kept_bytes`: ``kept[i]`` from the first
+    forward of ``i`` through the peak of its backward (gone in that backward's live bytes),
+    and on each recomputation of ``i`` once more, summed over the recomputations since the
+    last backward event."""
+    live = 0
+    burst = 0  # the copies the recomputation running now has made
+    seen: set[int] = set()
+    out = []
+    for e in timeline:
+        if e.backward:
+            burst = 0
+            after = live - kept[e.index] if e.index in seen else live
+            out.append(e._replace(peak_bytes=e.peak_bytes + live, live_bytes=e.live_bytes + after))
+            live = after
+            continue
+        if e.index < 0:  # the chain's loss event
+            pass
+        elif e.index in seen:
+            burst += kept[e.index]
+        else:
+            seen.add(e.index)
+            live += kept[e.index]
+        extra = live + burst
+        out.append(e._replace(peak_bytes=e.peak_bytes + extra, live_bytes=e.live_bytes + extra))
+    return out
+
+
+def _with_loss(timeline: list[StepEvent], loss_bytes: int) -> list[StepEvent]:
+    """``timeline`` with :attr:`StepCosts.loss_bytes`: two of it (the loss and the gradient
+    its backward was seeded with) on every event from the first backward event on."""
+    out = []
+    held = 0
+    for e in timeline:
+        if e.backward:
+            held = 2 * loss_bytes
+        out.append(e._replace(peak_bytes=e.peak_bytes + held, live_bytes=e.live_bytes + held))
+    return out
 
 
 def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEvent]:

@@ -1,0 +1,183 @@
+"""The small tensors no stage cost sees, counted where they live (issue #18): the wrapped
+scalars autograd saves without the saved-tensor hooks (NOTE [ Saved wrapped scalars ] in
+remat.capture.chain), kept from a stage's every forward to its backward, a checkpointed one
+too; the loss and the gradient its backward is seeded with, held through the whole backward;
+a CPU optimizer step's scalar. They replace the 1 KiB counted all step on the chain path, by
+which ``remat.auto`` refused the budget that checkpointing every block of GPT-2 and Llama
+measures (680656 B named against 679660 B measured; 514900 against 513888 B)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from remat.auto import predicted_step_peak_bytes, scalar_costs
+from remat.capture.chain import capture, unhooked_saved
+from remat.core.plan import Plan, Segment
+from remat.core.step import StepCosts, StepEvent, step_peak
+from remat.execute.chain import apply
+from remat.measure.events import allocated_bytes, step_peak_bytes
+
+
+class TanhGELU(nn.Module):
+    """GPT-2's GELU (transformers' NewGELUActivation): three Python numbers that autograd saves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.act, self.down = (
+            nn.Linear(width, 4 * width),
+            TanhGELU(),
+            nn.Linear(4 * width, width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def _loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+    return m(b).square().mean()
+
+
+def test_the_wrapped_scalars_autograd_saves_bypass_the_hooks() -> None:
+    x = torch.randn(4, requires_grad=True)
+    packed: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = TanhGELU()(x)
+    found = unhooked_saved([y], dict.fromkeys(packed, 0), x.device)
+    assert sorted(found.values()) == [8, 8, 8]  # 0.5, sqrt(2/pi), 0.044715: doubles
+    assert not set(found) & set(packed)
+    assert unhooked_saved([y], {}, torch.device("meta")) == {}  # another device's: not counted
+
+
+def test_forward_kept_bytes_live_from_every_forward_to_the_backward() -> None:
+    # stage 1 checkpointed: forward, forward, the loss, backward of 2, recompute 1, backward 1
+    timeline = [
+        StepEvent(False, 0, 100, 100),
+        StepEvent(False, 1, 300, 300),
+        StepEvent(False, -1, 300, 300),  # the chain's loss event
+        StepEvent(True, 1, 350, 100),
+        StepEvent(False, 0, 300, 300),
+        StepEvent(True, 0, 320, 0),
+    ]
+    bare = StepCosts(persistent_bytes=0, grad_bytes=(0, 0))
+    kept = dataclasses.replace(bare, forward_kept_bytes=(10, 20))
+    assert step_peak(timeline, bare) == 350
+    # during B of stage 2 both stages' scalars (30)
+    assert step_peak(timeline, kept) == 380
+    # a recomputation at the peak: stage 2's scalars are gone with its backward, stage 1's
+    # first forward's (10) and the recomputation's copy (10) are there
+    replayed = [*timeline[:4], StepEvent(False, 0, 400, 300), timeline[5]]
+    assert step_peak(replayed, bare) == 400
+    assert step_peak(replayed, kept) == 420
+    with pytest.raises(ValueError, match="forward_kept_bytes"):
+        StepCosts(persistent_bytes=0, grad_bytes=(0, 0), forward_kept_bytes=(1,))
+
+
+def test_the_loss_and_its_seed_live_through_the_backward_and_the_loss_to_the_optimizer() -> None:
+    timeline = [StepEvent(False, 0, 50, 50), StepEvent(True, 0, 60, 0)]
+    costs = StepCosts(persistent_bytes=100, grad_bytes=(40,), optimizer_step_bytes=30)
+    assert step_peak(timeline, costs) == 200  # the backward: 100 + 40 + 60
+    loss = dataclasses.replace(costs, loss_bytes=4)
+    assert step_peak(timeline, loss) == 208
+    assert loss.optimizer_phase_bytes == costs.optimizer_phase_bytes + 4
+
+
+def test_small_scratch_is_added_to_the_peaks_of_its_stage() -> None:
+    timeline = [StepEvent(False, 0, 100, 100), StepEvent(False, -1, 100, 100)]
+    timeline += [StepEvent(True, 0, 150, 0)]
+    costs = StepCosts(persistent_bytes=0, grad_bytes=(0,))
+    assert step_peak(timeline, dataclasses.replace(costs, op_scratch_bytes=((60, 0),))) == 160
+    assert step_peak(timeline, dataclasses.replace(costs, op_scratch_bytes=((0, 30),))) == 180
+
+
+@pytest.mark.slow
+def test_a_kernels_small_workspace_is_counted_at_its_stage() -> None:
+    # layer norm's CPU backward takes a few hundred bytes of workspace (512 B on the dev
+    # machine: ViT's head) that no tensor tracker sees and the capture's overheads leave out
+    # below 1 KiB (real and fake captures agree); the step's peak is in that backward
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.LayerNorm(32))
+    x = torch.randn(130, 32)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b)[:, 0].square().mean()
+
+    captured = capture(model, x, loss_fn=loss_fn)
+    plan = Plan.none(captured.chain)
+
+    def step() -> None:
+        loss_fn(model, x).backward()
+        model.zero_grad(set_to_none=True)
+
+    measured = step_peak_bytes(step, model, None, x)
+    predicted = predicted_step_peak_bytes(model, captured, plan)
+    assert measured <= predicted <= measured + 4, (
+        measured,
+        predicted,
+        captured.small_scratch_bytes,
+    )
+
+
+def test_on_cuda_the_loss_takes_an_allocator_block() -> None:
+    # the CUDA caching allocator hands out multiples of 512 B: a 4-byte loss and its seed take
+    # 1024 B through the backward (the scalars of Python numbers stay on the CPU there)
+    assert allocated_bytes(4, torch.device("cuda")) == 512
+    assert allocated_bytes(513, torch.device("cuda", 0)) == 1024
+    assert allocated_bytes(4, torch.device("cpu")) == 4
+    assert allocated_bytes(0, torch.device("cuda")) == 0
+
+
+@pytest.mark.slow
+def test_the_whole_step_is_predicted_to_the_byte_with_the_scalars() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(32) for _ in range(4)])
+    x = torch.randn(16, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    captured = capture(model, x, loss_fn=_loss)
+    assert captured.forward_kept_bytes == (24, 24, 24, 24)
+    chain = captured.chain
+    plans = [Plan.none(chain), Plan.every_stage(chain)]
+    plans += [Plan.from_segments([Segment(i, i, i == k) for i in range(1, 5)]) for k in (1, 2, 4)]
+    plans.append(Plan.from_segments([Segment(1, 2, True), Segment(3, 3), Segment(4, 4)]))
+    for plan in plans:
+        planned = apply(model, plan, stages=captured.stages)
+
+        def step(planned: nn.Module = planned) -> None:
+            _loss(planned, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        measured = step_peak_bytes(step, planned, opt, x)
+        predicted = predicted_step_peak_bytes(model, captured, plan, opt)
+        # never under; over by at most the loss's 4 B (at the last stage's backward, where
+        # the stage's measured backward already holds the seed)
+        assert measured <= predicted <= measured + 4, (plan.describe(), measured, predicted)
+    # every stage checkpointed: exact; without the scalars it was 100 B under
+    every = Plan.every_stage(chain)
+    planned = apply(model, every, stages=captured.stages)
+
+    def every_step() -> None:
+        _loss(planned, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measured = step_peak_bytes(every_step, planned, opt, x)
+    assert predicted_step_peak_bytes(model, captured, every, opt) == measured
+    blind = dataclasses.replace(captured, forward_kept_bytes=())
+    assert scalar_costs(blind)["forward_kept_bytes"] == ()
+    assert predicted_step_peak_bytes(model, blind, every, opt) < measured
