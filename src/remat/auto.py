@@ -795,33 +795,10 @@ def auto(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
-
-    def costs_of(new: Captured, now: _Trained | None = None) -> StepCosts:
-        fixed_now, grads_now, step_now, live = now or (fixed, grads, step_bytes, False)
-        return StepCosts(
-            persistent_bytes=fixed_now - sum(grads_now),
-            grad_bytes=tuple(grads_now),
-            grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
-            optimizer_step_bytes=step_now,
-            grads_live=live,
-            output_held_bytes=output_held_bytes(loop, new.output_bytes),
-            input_bytes=new.chain.input_bytes,
-            **scalar_costs(new),
-            checkpoint_state_bytes=checkpoint_state_bytes(),
-            **_criterion(loss_fn, batch, new, loop),
-        )
-
-    def unplanned_peak(new: Captured) -> int:
-        return step_peak_of(new.chain, Plan.none(new.chain), costs_of(new))
-
-    def plan_captured(
-        new: Captured, spec: int | float | str | None, now: _Trained | None = None
-    ) -> tuple[Plan, int | None]:
-        total = None if spec is None else resolve_budget(spec, lambda: unplanned_peak(new))
-        return plan_for_step(new.chain, costs_of(new, now), total, method), total  # type: ignore[return-value]
+    step = _StepModel(model, batch, loss_fn, loop, method, fixed, grads, step_bytes)
 
     try:
-        chosen, total = plan_captured(captured, budget)
+        chosen, total = step.plan(captured, budget)
     except BudgetTooSmallError as err:
         if captured.stages.kind != GENERIC_KIND or stages is not None or options is not None:
             raise
@@ -847,17 +824,140 @@ def auto(
             compile=compiled_costs,
             **capture_options,
         )
-        return unplanned_peak(captured) - unplanned_peak(proxy), proxy.chain.input_bytes
+        return step.unplanned_peak(captured) - step.unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
-    def loss_only_costs(new: Captured, now: _Trained | None = None) -> StepCosts:
+    def replan(*args: Any, **kwargs: Any) -> Plan:
+        new = capture(
+            model,
+            (args, kwargs),
+            loss_fn=call_loss,
+            stages=stages,
+            compile=compiled_costs,
+            **capture_options,
+        )
+        base = new
+        held = margin(new.chain.input_bytes)
+        if held:
+            chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
+            new = dataclasses.replace(new, chain=chain)
+        now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
+        with _for_new_inputs(args, kwargs, now.live):
+            plan, total_now = step.plan(new, spec, now)
+        if options is None:
+            return plan
+
+        def measure(p: Plan) -> int:
+            trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
+            return _one_graph_peak(model, trial, call_loss, (args, kwargs))
+
+        return step.fit_one_graph(new, plan, total_now, now, measure, base).plan
+
+    replan.plans_for_step_state = True  # type: ignore[attr-defined]
+
+    def build(plan: Plan) -> nn.Module:
+        return apply(
+            model, plan, stages=captured.stages, example=example, replan=replan, compile=compile
+        )
+
+    fit: _OneGraphFit | None = None
+    if options is not None:
+        trials: dict[str, nn.Module] = {}
+
+        def measure_first(p: Plan) -> int:
+            trials[p.describe()] = trial = build(as_one_graph(p))
+            return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
+
+        fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
+        chosen = fit.plan
+        planned = trials.get(chosen.describe()) if fit.one_graph else None
+        planned = planned or build(chosen)
+    else:
+        planned = build(chosen)
+    none = simulate(chain, Plan.none(chain))
+    sim = simulate(chain, chosen)
+    summary = AutoSummary.of(
+        method,
+        chosen,
+        chain,
+        total,
+        fixed,
+        sim,
+        none,
+        step_peak_of(chain, chosen, step.costs(captured)),
+        step.unplanned_peak(captured),
+        loop=loop,
+        output_held_bytes=step.costs(captured).output_held_bytes,
+        fake=bool(capture_options),
+        criterion_bytes=step.costs(captured).criterion_peak_bytes,
+    )
+    if fit is not None:
+        summary = dataclasses.replace(
+            summary,
+            method=chosen.method if fit.one_graph else method,
+            predicted_peak_bytes=fit.predicted,
+            compiled="one-graph" if fit.one_graph else "per-stage",
+            one_graph_over_bytes=fit.over,
+            compiled_note=fit.note,
+        )
+    return planned, summary
+
+
+@dataclass
+class _StepModel:
+    """The whole training step of a chain-path model as :func:`auto` plans it: the step's costs
+    for a capture (now, or after training started: ``_Trained``), the plan for a budget, and
+    the fit of a plan run as one compiled graph."""
+
+    model: nn.Module
+    batch: Any
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
+    loop: str
+    method: str
+    fixed: int
+    """:func:`fixed_bytes` of the model and its optimizer."""
+    grads: list[int]
+    """:func:`stage_grad_bytes`."""
+    step_bytes: int
+    """The optimizer step's own temporaries."""
+
+    def costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
+        fixed_now, grads_now, step_now, live = now or (
+            self.fixed,
+            self.grads,
+            self.step_bytes,
+            False,
+        )
+        return StepCosts(
+            persistent_bytes=fixed_now - sum(grads_now),
+            grad_bytes=tuple(grads_now),
+            grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
+            optimizer_step_bytes=step_now,
+            grads_live=live,
+            output_held_bytes=output_held_bytes(self.loop, new.output_bytes),
+            input_bytes=new.chain.input_bytes,
+            **scalar_costs(new),
+            checkpoint_state_bytes=checkpoint_state_bytes(),
+            **_criterion(self.loss_fn, self.batch, new, self.loop),
+        )
+
+    def unplanned_peak(self, new: Captured) -> int:
+        return step_peak_of(new.chain, Plan.none(new.chain), self.costs(new))
+
+    def plan(
+        self, new: Captured, spec: int | float | str | None, now: _Trained | None = None
+    ) -> tuple[Plan, int | None]:
+        total = None if spec is None else resolve_budget(spec, lambda: self.unplanned_peak(new))
+        return plan_for_step(new.chain, self.costs(new, now), total, self.method), total  # type: ignore[return-value]
+
+    def loss_only_costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
         # the step a one-graph plan is measured on (_one_graph_peak): the captured loss, no
         # optimizer, nothing held after the loss, gradients made by the backward
-        grads_now = now.grads if now is not None else grads
+        grads_now = now.grads if now is not None else self.grads
         return dataclasses.replace(
-            costs_of(new, now),
-            persistent_bytes=fixed_bytes(model) - sum(grads_now),
+            self.costs(new, now),
+            persistent_bytes=fixed_bytes(self.model) - sum(grads_now),
             optimizer_step_bytes=0,
             output_held_bytes=0,
             grads_live=False,
@@ -867,6 +967,7 @@ def auto(
         )
 
     def fit_one_graph(
+        self,
         new: Captured,
         first: Plan,
         total_now: int | None,
@@ -877,8 +978,10 @@ def auto(
         def plan_at(b: int) -> Plan:
             # the planner's plan, or where it nests checkpoints (one graph cannot run them)
             # the flat planner's for the same budget
-            p = plan_for_step(new.chain, costs_of(new, now), b, method)
-            return plan_for_step(new.chain, costs_of(new, now), b, FLAT_METHOD) if _nested(p) else p
+            p = plan_for_step(new.chain, self.costs(new, now), b, self.method)
+            return (
+                plan_for_step(new.chain, self.costs(new, now), b, FLAT_METHOD) if _nested(p) else p
+            )
 
         def candidates() -> list[Plan]:
             # the planner's plans from its least budget to the budget, fastest first
@@ -902,87 +1005,12 @@ def auto(
             total_now,
             plan_at=plan_at,
             candidates=candidates,
-            predicted=lambda p: step_peak_of(new.chain, p, costs_of(new, now)),
+            predicted=lambda p: step_peak_of(new.chain, p, self.costs(new, now)),
             baseline=lambda p: step_peak_of(
-                (base or new).chain, p, loss_only_costs(base or new, now)
+                (base or new).chain, p, self.loss_only_costs(base or new, now)
             ),
             measure=measure,
         )
-
-    def replan(*args: Any, **kwargs: Any) -> Plan:
-        new = capture(
-            model,
-            (args, kwargs),
-            loss_fn=call_loss,
-            stages=stages,
-            compile=compiled_costs,
-            **capture_options,
-        )
-        base = new
-        held = margin(new.chain.input_bytes)
-        if held:
-            chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
-            new = dataclasses.replace(new, chain=chain)
-        now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
-        with _for_new_inputs(args, kwargs, now.live):
-            plan, total_now = plan_captured(new, spec, now)
-        if options is None:
-            return plan
-
-        def measure(p: Plan) -> int:
-            trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
-            return _one_graph_peak(model, trial, call_loss, (args, kwargs))
-
-        return fit_one_graph(new, plan, total_now, now, measure, base).plan
-
-    replan.plans_for_step_state = True  # type: ignore[attr-defined]
-
-    def build(plan: Plan) -> nn.Module:
-        return apply(
-            model, plan, stages=captured.stages, example=example, replan=replan, compile=compile
-        )
-
-    fit: _OneGraphFit | None = None
-    if options is not None:
-        trials: dict[str, nn.Module] = {}
-
-        def measure_first(p: Plan) -> int:
-            trials[p.describe()] = trial = build(as_one_graph(p))
-            return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
-
-        fit = fit_one_graph(captured, chosen, total, None, measure_first)
-        chosen = fit.plan
-        planned = trials.get(chosen.describe()) if fit.one_graph else None
-        planned = planned or build(chosen)
-    else:
-        planned = build(chosen)
-    none = simulate(chain, Plan.none(chain))
-    sim = simulate(chain, chosen)
-    summary = AutoSummary.of(
-        method,
-        chosen,
-        chain,
-        total,
-        fixed,
-        sim,
-        none,
-        step_peak_of(chain, chosen, costs_of(captured)),
-        unplanned_peak(captured),
-        loop=loop,
-        output_held_bytes=costs_of(captured).output_held_bytes,
-        fake=bool(capture_options),
-        criterion_bytes=costs_of(captured).criterion_peak_bytes,
-    )
-    if fit is not None:
-        summary = dataclasses.replace(
-            summary,
-            method=chosen.method if fit.one_graph else method,
-            predicted_peak_bytes=fit.predicted,
-            compiled="one-graph" if fit.one_graph else "per-stage",
-            one_graph_over_bytes=fit.over,
-            compiled_note=fit.note,
-        )
-    return planned, summary
 
 
 ONE_GRAPH_TRIALS = 3
