@@ -33,6 +33,7 @@ can go either way: ``margin`` says by how much each compile point was beaten or 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -252,7 +253,6 @@ def _save_partial(rows: list[dict[str, Any]]) -> None:
     """With ``REMAT_BENCH_PARTIAL=path``, the rows measured so far go to ``path`` after every
     point (a long CPU run stopped early keeps what it measured)."""
     import json
-    import os
 
     path = os.environ.get("REMAT_BENCH_PARTIAL")
     if path:
@@ -263,7 +263,8 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
     rows: list[dict[str, Any]] = []
     budgets = QUICK_COMPILE_BUDGETS if quick else COMPILE_BUDGETS
     below = QUICK_BELOW_FRACTIONS if quick else BELOW_FRACTIONS
-    repeats = 3
+    # timed steps per point (REMAT_BENCH_REPEATS: more where the machine is loaded)
+    repeats = int(os.environ.get("REMAT_BENCH_REPEATS", "3"))
     for name in models:
         progress(f"{name}: capture")
         start = time.perf_counter()
