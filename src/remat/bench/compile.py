@@ -11,14 +11,15 @@ interleaved with it, gradients compared with eager's):
   ``optimal-time`` under :func:`remat.auto.plan_for_total_budget`), M = every distinct measured
   peak of the compile points, plus budgets below the least of them (fractions of it and
   remat's own least feasible budget, ``least``);
-* ``remat-compiled@M``: what ``remat.auto(..., compile=True)`` plans and runs for M:
-  ``optimal-time`` (flat ``hong-dp`` until the stages were compiled one by one) on the chain
-  captured **compiled** (``remat.capture.chain.capture(compile=)``:
-  each stage compiled once and measured as it runs: saved bytes, transients, forward/backward
-  times; captured once per model, :func:`compiled_workload`), run with ``remat.apply(...,
-  compile=...)``, each stage its own compiled graph (:func:`compiled_remat_setup`, the one
-  place that builds it). Budgets: the
-  same M, plus the compiled chain's own least (``least-compiled``).
+* ``remat-compiled@M``: ``remat.auto(model, batch, budget=M, compile=<the backend>,
+  loop="loss-only", optimizer=Adam)``, the planned model it returns measured as it is
+  (:func:`auto_compiled_point`): its plan on the compiled stages' costs, run as **one**
+  compiled graph where that graph's measured step fits M, else a graph per stage
+  (``compiled`` in the row: ``summary.compiled``; NOTE [ One compiled graph ] in
+  :mod:`remat.execute.chain`), with ``predicted_peak_bytes`` the summary's. A budget below
+  auto's least is a refusal (``BudgetTooSmallError``): the row keeps the error and the
+  minimum it names (``minimum_bytes``). Budgets: the same M, plus auto's own least
+  (``least-compiled``: the minimum a refusal names).
 
 The **goal** per model (``goal`` in ``compile.json``): at every compile point a
 ``remat-compiled`` point with peak <= and time ratio <= it (``dominated``), and remat points
@@ -32,7 +33,7 @@ can go either way: ``margin`` says by how much each compile point was beaten or 
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from remat.auto import plan_for_total_budget
+from remat.auto import auto, plan_for_total_budget
 from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
 from remat.bench.report import markdown_table
 from remat.bench.suites import (
@@ -50,7 +51,6 @@ from remat.bench.suites import (
     load_workload,
     measure_setup,
 )
-from remat.capture.chain import capture
 from remat.core.units import format_bytes
 from remat.planners import BudgetTooSmallError
 
@@ -58,8 +58,7 @@ __all__ = [
     "DEFAULT_MODELS",
     "NOTES",
     "COMPILE_BUDGETS",
-    "compiled_remat_setup",
-    "compiled_workload",
+    "auto_compiled_point",
     "goal",
     "suite",
     "write_report",
@@ -69,8 +68,6 @@ __all__ = [
 # the same partitioner and activation_memory_budget, no C++ compilation)
 BACKEND = "inductor"
 DEFAULT_MODELS = ["mlp-chain", "gpt2", "llama-tiny", "densenet121"]
-COMPILED_METHOD = "optimal-time"
-"""What ``remat.auto(compile=True)`` plans with (its default planner)."""
 COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.1, 0.0)
 QUICK_COMPILE_BUDGETS = (1.0, 0.0)
 # budgets below the least compile peak, as fractions of it
@@ -79,8 +76,10 @@ QUICK_BELOW_FRACTIONS = (0.8,)
 NOTES = (
     "torch-compile@K: torch.compile (inductor) with activation_memory_budget = K; "
     "remat-eager@P: remat's plan (optimal-time for a whole-step budget, as remat.auto plans) at "
-    "the measured peak of point P; remat-compiled@P: what remat.auto(compile=True) plans for it "
-    "(optimal-time on the compiled stages' measured costs), each stage compiled. "
+    "the measured peak of point P; remat-compiled@P: remat.auto(model, batch, budget=P, "
+    "compile=inductor, loop='loss-only', optimizer=Adam), measured as it returns it (one "
+    "compiled graph where that graph's measured step fits P, else a graph per stage: "
+    "'compiled'); a refusal keeps the minimum it names. "
     "Peak = exact bytes of a whole training step (Adam) from allocator events; time ratio = "
     "median step time / median eager step time, interleaved in the same loop."
 )
@@ -103,30 +102,56 @@ def _options(name: str, quick: bool) -> dict[str, Any]:
     }.get(name, {})
 
 
-def compiled_workload(work: Workload) -> tuple[Workload, float]:
-    """``work`` with its chain captured as ``remat.auto(..., compile=True)`` captures it
-    (``capture(compile=...)``: what each compiled stage saves and its compiled times), and the
-    seconds that capture took."""
-    start = time.perf_counter()
-    captured = capture(work.model, work.batch, loss_fn=work.loss_fn, compile={"backend": BACKEND})
-    seconds = time.perf_counter() - start
-    compiled = dataclasses.replace(
-        work,
-        chain=captured.chain,
-        stages=captured.stages,
-        grad_rise_bytes=captured.grad_rise_bytes,
-    )
-    return compiled, seconds
+def _auto_options() -> dict[str, Any]:
+    return {"backend": BACKEND}
 
 
-def compiled_remat_setup(work: Workload, total_budget: int, label: str) -> Setup:
-    """What ``remat.auto(..., compile=True)`` plans for ``total_budget`` on ``work`` (a
-    :func:`compiled_workload`): ``optimal-time`` on the compiled costs, run with
-    ``remat.apply(..., compile=...)``: each stage its own compiled graph, the one measured."""
+def auto_compiled_point(
+    work: Workload, total_budget: int, label: str, eager_grads: Any, repeats: int
+) -> dict[str, Any]:
+    """``remat.auto(..., budget=total_budget, compile=...)`` on ``work``'s model for the
+    bench's step (the loss of ``work.loss_fn``, its backward, Adam): the planned model it
+    returns, measured by :func:`measure_setup`; or its refusal with the minimum it names."""
     torch._dynamo.reset()  # a fresh compilation
-    setup = remat_setup(work, COMPILED_METHOD, total_budget, label, compile={"backend": BACKEND})
-    setup.notes["backend"] = BACKEND
-    return setup
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=0.0)
+    start = time.perf_counter()
+    try:
+        planned, summary = auto(
+            work.model,
+            work.batch,
+            loss_fn=work.loss_fn,
+            budget=total_budget,
+            optimizer=optimizer,
+            loop="loss-only",
+            compile=_auto_options(),
+        )
+    except BudgetTooSmallError as err:
+        return {
+            "model": work.name,
+            "method": label,
+            "error": f"BudgetTooSmallError: {str(err).splitlines()[0]}",
+            "refused": True,
+            "minimum_bytes": err.minimum_bytes,
+            "auto_seconds": round(time.perf_counter() - start, 1),
+            "backend": BACKEND,
+        }
+    seconds = time.perf_counter() - start
+    setup = Setup(
+        label,
+        planned,
+        family="remat",
+        predicted_peak_bytes=summary.predicted_peak_bytes,
+        notes={
+            "plan": summary.plan.describe(),
+            "planner": summary.method,
+            "compiled": summary.compiled,
+            "one_graph_over_bytes": summary.one_graph_over_bytes,
+            "compiled_note": summary.compiled_note or None,
+            "auto_seconds": round(seconds, 1),
+            "backend": BACKEND,
+        },
+    )
+    return measure_setup(setup, work, eager_grads, repeats)
 
 
 def _compile_point(work: Workload, knob: float, eager_grads: Any, repeats: int) -> dict:
@@ -157,6 +182,37 @@ def _least_remat_budget(work: Workload, method: str = "optimal-time") -> int | N
     except BudgetTooSmallError as err:
         return err.minimum_bytes
     return None
+
+
+def _remat_point(
+    work: Workload,
+    kind: str,
+    budget: int,
+    method: str,
+    eager_grads: Any,
+    repeats: int,
+    seen: dict[tuple[str, str], dict[str, Any]],
+) -> dict[str, Any]:
+    """One remat point: ``remat-eager`` (the eager executor, ``optimal-time`` for ``budget``)
+    or ``remat-compiled`` (:func:`auto_compiled_point`)."""
+    if kind == "eager":
+        setup = remat_setup(work, "optimal-time", budget, method)
+        same = seen.get((kind, str(setup.notes.get("plan"))))
+        if setup.module is not None and same is not None:
+            # the same plan at a larger budget: its measurement
+            row = {**same, "method": method, "same_plan_as": same["method"]}
+        else:
+            row = measure_setup(setup, work, eager_grads, repeats)
+            if "peak_bytes" in row:
+                seen.setdefault((kind, str(setup.notes.get("plan"))), row)
+    else:
+        # auto plans and compiles afresh at every budget (what a user gets)
+        row = auto_compiled_point(work, budget, method, eager_grads, repeats)
+    row["family"] = f"remat-{kind}"
+    row["budget_bytes"] = budget
+    if "peak_bytes" in row:
+        row["within_budget"] = bool(row["peak_bytes"] <= budget)
+    return row
 
 
 def goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,7 +253,6 @@ def _save_partial(rows: list[dict[str, Any]]) -> None:
     """With ``REMAT_BENCH_PARTIAL=path``, the rows measured so far go to ``path`` after every
     point (a long CPU run stopped early keeps what it measured)."""
     import json
-    import os
 
     path = os.environ.get("REMAT_BENCH_PARTIAL")
     if path:
@@ -208,7 +263,8 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
     rows: list[dict[str, Any]] = []
     budgets = QUICK_COMPILE_BUDGETS if quick else COMPILE_BUDGETS
     below = QUICK_BELOW_FRACTIONS if quick else BELOW_FRACTIONS
-    repeats = 3
+    # timed steps per point (REMAT_BENCH_REPEATS: more where the machine is loaded)
+    repeats = int(os.environ.get("REMAT_BENCH_REPEATS", "3"))
     for name in models:
         progress(f"{name}: capture")
         start = time.perf_counter()
@@ -218,6 +274,7 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
         measured = [
             measure_setup(Setup("eager", work.model, family="baseline"), work, eager_grads, repeats)
         ]
+        measured[0]["capture_seconds"] = round(eager_capture_seconds, 1)
         for knob in budgets:
             progress(f"{name}: torch-compile@{knob:g}")
             row = _compile_point(work, knob, eager_grads, repeats)
@@ -225,9 +282,6 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
             row["activation_memory_budget"] = knob
             measured.append(row)
             _save_partial(rows + measured)
-        torch._dynamo.reset()
-        progress(f"{name}: compiled capture")
-        cwork, capture_seconds = compiled_workload(work)
         torch._dynamo.reset()
         targets: dict[int, str] = {}
         for row in measured[1:]:
@@ -241,35 +295,29 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
                 if int(least * frac) > floor:
                     targets.setdefault(int(least * frac), f"{frac:g}x-compile-min")
             targets.setdefault(floor, "least")
-        # the least of what auto(compile=True) plans (on the compiled costs)
-        cfloor = _least_remat_budget(cwork, COMPILED_METHOD)
-        if least is not None and cfloor is not None and cfloor < least:
-            targets.setdefault(cfloor, "least-compiled")
         seen: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, plan) -> its row
+        minimum: int | None = None  # the least budget auto(compile=) named in a refusal
         for budget, label in sorted(targets.items(), reverse=True):
             for kind in ("eager", "compiled"):
                 method = f"remat-{kind}@{label}"
                 progress(f"{name}: {method}")
-                if kind == "eager":
-                    setup = remat_setup(work, "optimal-time", budget, method)
-                else:
-                    setup = compiled_remat_setup(cwork, budget, method)
-                    setup.notes["compiled_capture_seconds"] = round(capture_seconds, 1)
-                    setup.notes["eager_capture_seconds"] = round(eager_capture_seconds, 1)
-                same = seen.get((kind, str(setup.notes.get("plan"))))
-                if setup.module is not None and same is not None:
-                    # the same plan at a larger budget: its measurement (one compilation less)
-                    row = {**same, "method": method, "same_plan_as": same["method"]}
-                else:
-                    row = measure_setup(setup, work, eager_grads, repeats)
-                    if "peak_bytes" in row:
-                        seen[(kind, str(setup.notes.get("plan")))] = row
-                row["family"] = f"remat-{kind}"
-                row["budget_bytes"] = budget
-                if "peak_bytes" in row:
-                    row["within_budget"] = bool(row["peak_bytes"] <= budget)
+                row = _remat_point(work, kind, budget, method, eager_grads, repeats, seen)
+                if row.get("refused"):
+                    minimum = row["minimum_bytes"]
                 measured.append(row)
                 _save_partial(rows + measured)
+            torch._dynamo.reset()
+        # auto(compile=)'s own least: the minimum a refusal names (asked for if none was)
+        if minimum is None:
+            progress(f"{name}: remat-compiled least (a refused budget)")
+            probe = auto_compiled_point(work, 1, "remat-compiled@probe", eager_grads, repeats)
+            minimum = probe.get("minimum_bytes")
+        if minimum is not None and minimum not in targets:
+            method = "remat-compiled@least-compiled"
+            progress(f"{name}: {method}")
+            row = _remat_point(work, "compiled", minimum, method, eager_grads, repeats, seen)
+            measured.append(row)
+            _save_partial(rows + measured)
             torch._dynamo.reset()
         measured = _finish_rows(measured)
         summary = goal(measured)
