@@ -70,7 +70,13 @@ def test_fake_capture_has_the_real_bytes_and_counts_flops(name):
     real = capture_chain(entry.model, entry.batch, entry.loss_fn, repeats=1)
     fake = capture_chain(entry.model, entry.batch, entry.loss_fn, fake=True)
     assert fake.time_unit == "flop" and real.time_unit == "s"
-    for field in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
+    for field in (
+        "out_bytes",
+        "saved_bytes",
+        "fwd_overhead_bytes",
+        "fwd_none_overhead_bytes",
+        "bwd_overhead_bytes",
+    ):
         assert getattr(real, field) == getattr(fake, field), field
     assert real.input_bytes == fake.input_bytes
     assert sum(fake.fwd_time) > 0 and sum(fake.bwd_time) > sum(fake.fwd_time)

@@ -13,6 +13,8 @@ one on the real activations (each stage's input is the previous stage's output, 
 * ``fwd_overhead_bytes``: the highest activation-side bytes during the forward (from
   :class:`remat.measure.profile.StepTracker`) minus the input and ``saved_bytes``: transient memory
   beyond what the stage keeps;
+* ``fwd_none_overhead_bytes``: the same forward run again without grad (as in a checkpointed
+  segment): its highest bytes minus the input and its output (NOTE [ Forward without grad ]);
 * ``bwd_overhead_bytes``: the highest activation-side bytes during the backward minus what
   was live before it, minus the output's gradient ``δ[i]`` (ones, made inside the backward
   and freed when consumed, as in a whole step) and minus the input gradient ``δ[i-1]``
@@ -151,6 +153,9 @@ class StageCost:
     """Unique bytes saved for backward (no parameters, no input), output included."""
     fwd_overhead_bytes: int
     """Transient bytes of the forward beyond the input and ``saved_bytes``."""
+    fwd_none_overhead_bytes: int
+    """Transient bytes of the forward run without grad beyond the input and the output
+    (NOTE [ Forward without grad ])."""
     bwd_peak_bytes: int
     """Highest activation-side bytes of the backward minus what was live before it and minus
     the output's gradient ``δ[i]`` (which the simulator counts as live already); negative when
@@ -539,6 +544,7 @@ def _measure_chain(
         input_bytes=input_bytes,
         fwd_overhead_bytes=[c.fwd_overhead_bytes for c in costs],
         bwd_overhead_bytes=bwd_overhead,
+        fwd_none_overhead_bytes=[c.fwd_none_overhead_bytes for c in costs],
         names=split.names,
         time_unit="flop" if fake and time_model is None else "s",
         stages_fingerprint=split.fingerprint,
@@ -639,6 +645,20 @@ def measure_stage(
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
         del seed, seed_grad
+        # NOTE [ Forward without grad ]: the same forward without grad (a checkpointed
+        # segment's, F_none) frees its intermediates as it goes, but several may be live at
+        # once (an MLP's h and gelu(h), both saved with grad: fwd_overhead_bytes 0 there)
+        reset()
+        inputs.restore()
+        none_alloc = _allocator_windows(fake, device)[0]
+        tracker.reset_mod_stats()  # (a module's second forward under the tracker)
+        tracker.reset_window()
+        none_base = tracker.activation_bytes()
+        with torch.no_grad(), none_alloc:
+            none_out = run(_entered(x))
+        none_tracked = tracker.window_peak - none_base
+        none_peak = none_tracked + scratch_bytes(_peak(none_alloc), none_tracked)
+        del none_out
     reset()
 
     # time: FLOPs or modelled seconds under fake tensors, else the median of `repeats` runs
@@ -651,6 +671,7 @@ def measure_stage(
         out_bytes=sum(new_out.values()),
         saved_bytes=saved_bytes,
         fwd_overhead_bytes=max(0, fwd_peak - saved_bytes),
+        fwd_none_overhead_bytes=max(0, none_peak - sum(new_out.values())),
         bwd_peak_bytes=bwd_peak,
         unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
         grad_rise_bytes=grad_rise,
@@ -734,6 +755,9 @@ def measure_compiled_stage(
         out_bytes=sum(new_out.values()),
         saved_bytes=saved_bytes,
         fwd_overhead_bytes=max(0, fwd_alloc.peak_bytes - saved_bytes),
+        # not measured without grad (it would compile another graph): bounded by the forward
+        # with grad, which holds at each moment what the one without grad holds and more
+        fwd_none_overhead_bytes=max(0, fwd_alloc.peak_bytes - sum(new_out.values())),
         bwd_peak_bytes=bwd_alloc.peak_bytes - grad_bytes - made,
         unsaved_out_bytes=sum(v for k, v in new_out.items() if k not in saved),
         grad_rise_bytes=made,

@@ -15,6 +15,11 @@ Per stage ``i`` (all lists are indexed from 0 for stage 1):
   also needs, and which is accounted as ``out_bytes[i-1]``). Hence ``saved_bytes >= out_bytes``;
   the papers' one-size-per-layer models are the special case ``saved_bytes == out_bytes``.
 * ``fwd_overhead_bytes[i]``: transient bytes during the stage's forward, beyond what it keeps.
+* ``fwd_none_overhead_bytes[i]``: transient bytes during the stage's forward *without grad*
+  (``F_none``: in a checkpointed segment), beyond its output. Not the storing forward's
+  overhead: without grad the intermediates are freed as they go, yet several may be live at
+  once (an MLP's ``h`` and ``gelu(h)``, saved with grad, so ``fwd_overhead_bytes`` is 0 there).
+  Defaults to ``fwd_overhead_bytes`` (chains made by hand, files of schema version 1).
 * ``bwd_overhead_bytes[i]``: the peak during the stage's backward relative to "everything the
   stage holds (``saved_bytes[i]``), its output gradient ``δ[i]`` and the input gradient
   ``δ[i-1]`` it produces, all live at once". Positive: workspace beyond that. **Negative** when
@@ -44,7 +49,9 @@ from remat.core.schema import read_schema
 
 __all__ = ["Chain", "CHAIN_SCHEMA_VERSION"]
 
-CHAIN_SCHEMA_VERSION = 1
+CHAIN_SCHEMA_VERSION = 2
+"""Version 2 added ``fwd_none_overhead_bytes``; a chain without it (equal to
+``fwd_overhead_bytes``) is written as version 1, and both versions are read."""
 _INT_FIELDS = ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes")
 _FLOAT_FIELDS = ("fwd_time", "bwd_time")
 
@@ -77,6 +84,9 @@ class Chain:
     (:attr:`remat.capture.stages.Stages.fingerprint`; empty for a chain not captured from a model).
     Plans record it, so that :func:`remat.apply` refuses a plan made for another model. Not
     part of :attr:`fingerprint` (the costs)."""
+    fwd_none_overhead_bytes: tuple[int, ...] = ()
+    """Transient bytes during each stage's forward without grad beyond its output (default:
+    ``fwd_overhead_bytes``; see the module docstring)."""
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,15 +102,18 @@ class Chain:
                 values = (0,) * n
             set_(self, name, tuple(_as_int(name, v) for v in values))
         set_(self, "input_bytes", _as_int("input_bytes", self.input_bytes))
+        none = self.fwd_none_overhead_bytes
+        none = tuple(_as_int("fwd_none_overhead_bytes", v) for v in none)
+        set_(self, "fwd_none_overhead_bytes", none or self.fwd_overhead_bytes)
         names = tuple(self.names) if self.names else tuple(f"stage{i + 1}" for i in range(n))
         set_(self, "names", names)
-        for name in (*_FLOAT_FIELDS, *_INT_FIELDS, "names"):
+        for name in (*_FLOAT_FIELDS, *_INT_FIELDS, "fwd_none_overhead_bytes", "names"):
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"Chain.{name} has {len(getattr(self, name))} entries but fwd_time has {n}: "
                     "give one value per stage"
                 )
-        for name in (*_FLOAT_FIELDS, *_INT_FIELDS):
+        for name in (*_FLOAT_FIELDS, *_INT_FIELDS, "fwd_none_overhead_bytes"):
             if name == "bwd_overhead_bytes":
                 continue
             for i, v in enumerate(getattr(self, name)):
@@ -211,6 +224,10 @@ class Chain:
         for name in _INT_FIELDS:
             data[name] = [int(round(v * factor)) for v in data[name]]
         data["input_bytes"] = int(round(self.input_bytes * factor))
+        if "fwd_none_overhead_bytes" in data:
+            data["fwd_none_overhead_bytes"] = [
+                int(round(v * factor)) for v in data["fwd_none_overhead_bytes"]
+            ]
         # rounded apart, a negative overhead may fall below -(saved + out) by a byte
         floors = [-(s + o) for s, o in zip(data["saved_bytes"], data["out_bytes"], strict=True)]
         data["bwd_overhead_bytes"] = [
@@ -227,7 +244,11 @@ class Chain:
             value = getattr(self, f.name)
             if f.name == "stages_fingerprint" and not value:
                 continue  # a chain not captured from a model: the file format as before
+            if f.name == "fwd_none_overhead_bytes" and value == self.fwd_overhead_bytes:
+                continue  # the default: written (and hashed) as version 1, as before
             data[f.name] = list(value) if isinstance(value, tuple) else value
+        if "fwd_none_overhead_bytes" not in data:
+            data["version"] = 1
         return data
 
     def to_json(self, indent: int | None = None) -> str:
@@ -237,7 +258,12 @@ class Chain:
     def from_json(cls, text: str) -> Chain:
         """Read a chain written by :meth:`to_json` (checks the schema and its version)."""
 
-        data = read_schema(text, "remat.chain", CHAIN_SCHEMA_VERSION, "remat chain", ValueError)
+        try:
+            found = json.loads(text).get("version")
+        except (ValueError, AttributeError):
+            found = None
+        version = 1 if found == 1 and type(found) is int else CHAIN_SCHEMA_VERSION
+        data = read_schema(text, "remat.chain", version, "remat chain", ValueError)
         return cls._from_dict(data)
 
     @classmethod

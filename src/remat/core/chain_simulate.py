@@ -19,7 +19,8 @@ The rules (docs/cost-model.md has them with pictures):
   output ``a[i]`` plus the internal tensors it saves); holds ``a[i-1]``, ``a[i]`` and the internal
   tensors until its backward. Peak during it: live + ``fwd_overhead_bytes[i]``.
 * **Stage run without grad** (inside a checkpointed segment, ``F_none``): allocates ``a[i]``;
-  ``a[i-1]`` is freed unless something holds it. Peak: live + ``fwd_overhead_bytes[i]``.
+  ``a[i-1]`` is freed unless something holds it. Peak: live + ``fwd_none_overhead_bytes[i]``
+  (what the forward without grad holds at once beyond its output, measured by capture).
 * **Checkpointed segment**: holds its input ``a[start-1]`` from its forward to the backward of
   its first stage (the checkpoint frame dies with it; freed there unless something else holds
   it). Backward: recompute the segment under its sub-plan (the recomputed output is
@@ -247,7 +248,8 @@ class _Simulator:
             self.stage_holds[i] = (inp, out, internal)
         recompute = self.counts[i - 1] > 0
         self.counts[i - 1] += 1
-        peak = self._peak(c.fwd_overhead_bytes[i - 1])
+        over = c.fwd_overhead_bytes if store else c.fwd_none_overhead_bytes
+        peak = self._peak(over[i - 1])
         self._unref(inp)
         if drop:
             self._unref(out)  # freed unless the stage stores it

@@ -104,6 +104,9 @@ class Node:
     ``block`` is done. Only the first forward: a recomputation is the executor's replay, which
     frees by readers. The capture sets it from the death of the output's last tensor object
     (:mod:`remat.capture.graph`); :class:`Graph` checks that it names a later node."""
+    fwd_none_overhead_bytes: int | None = None
+    """Transient bytes during the forward without grad (``F_none``) beyond its output;
+    ``None``: ``fwd_overhead_bytes`` (:attr:`remat.core.chain.Chain.fwd_none_overhead_bytes`)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -121,6 +124,9 @@ class Node:
         for name in ("out_bytes", "saved_bytes", "fwd_overhead_bytes", "bwd_overhead_bytes"):
             value = _as_bytes(self.name, name, getattr(self, name), name != "bwd_overhead_bytes")
             set_(self, name, value)
+        if self.fwd_none_overhead_bytes is not None:
+            none = _as_bytes(self.name, "fwd_none_overhead_bytes", self.fwd_none_overhead_bytes)
+            set_(self, "fwd_none_overhead_bytes", none)
         if not isinstance(self.keeps_output, bool):
             raise TypeError(f"node {self.name!r}: keeps_output must be a bool")
         if isinstance(self.random_calls, bool) or not isinstance(self.random_calls, int):
@@ -169,6 +175,13 @@ class Node:
         """The inputs whose outputs the backward reads (``saved_inputs`` or all inputs)."""
         return self.inputs if self.saved_inputs is None else self.saved_inputs
 
+    @property
+    def none_overhead_bytes(self) -> int:
+        """The forward's transient bytes without grad (``fwd_none_overhead_bytes`` or, when
+        unknown, ``fwd_overhead_bytes``)."""
+        none = self.fwd_none_overhead_bytes
+        return self.fwd_overhead_bytes if none is None else none
+
     def to_obj(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["inputs"] = list(self.inputs)
@@ -180,6 +193,8 @@ class Node:
             del data["random_calls"]  # likewise
         if self.held_until is None:
             del data["held_until"]  # likewise
+        if self.fwd_none_overhead_bytes is None:
+            del data["fwd_none_overhead_bytes"]  # likewise
         return data
 
 
@@ -301,6 +316,9 @@ class Graph:
                 out_bytes=chain.out_bytes[i],
                 saved_bytes=chain.saved_bytes[i],
                 fwd_overhead_bytes=chain.fwd_overhead_bytes[i],
+                fwd_none_overhead_bytes=None
+                if chain.fwd_none_overhead_bytes == chain.fwd_overhead_bytes
+                else chain.fwd_none_overhead_bytes[i],
                 bwd_overhead_bytes=chain.bwd_overhead_bytes[i],
             )
             for i in range(chain.n)
@@ -324,6 +342,7 @@ class Graph:
             input_bytes=self.input_bytes,
             fwd_overhead_bytes=tuple(node.fwd_overhead_bytes for node in nodes),
             bwd_overhead_bytes=tuple(node.bwd_overhead_bytes for node in nodes),
+            fwd_none_overhead_bytes=tuple(node.none_overhead_bytes for node in nodes),
             names=tuple(node.name for node in nodes),
             time_unit=self.time_unit,
         )
@@ -433,6 +452,9 @@ class Graph:
                 out_bytes=out,
                 saved_bytes=saved,
                 fwd_overhead_bytes=scale(node.fwd_overhead_bytes),
+                fwd_none_overhead_bytes=None
+                if node.fwd_none_overhead_bytes is None
+                else scale(node.fwd_none_overhead_bytes),
                 # rounded apart, a negative overhead may fall below the scaled floor by a byte
                 bwd_overhead_bytes=max(scale(node.bwd_overhead_bytes), -(held + out)),
             )

@@ -22,7 +22,8 @@ The rules (``docs/graphs.md`` has them with an example):
 * Forward, in ``order`` (default: node order). A **stored** node (in no segment) runs with grad
   (``F_all``): it allocates ``saved_bytes`` (output + residual) and keeps them, plus the inputs
   its backward reads, until its backward. A node in a segment runs without grad (``F_none``):
-  it allocates its output only. Peak during an op: live + ``fwd_overhead_bytes``.
+  it allocates its output only. Peak during an op: live + ``fwd_overhead_bytes`` (without
+  grad: ``Node.none_overhead_bytes``).
 * A node's first-forward output is also kept through the first forward of its
   ``held_until`` node (:attr:`Node.held_until <remat.core.graph.Node.held_until>`: the
   program's variable still holds it), when that node runs later in ``order``.
@@ -441,7 +442,8 @@ class _Lowering:
             recompute = self.computed[v] > 0
             self.computed[v] += 1
             op = "F_all" if grad else "F_none"
-            self._emit(op, v, recompute, allocs, reads, node.fwd_overhead_bytes, node.fwd_time)
+            over = node.fwd_overhead_bytes if grad else node.none_overhead_bytes
+            self._emit(op, v, recompute, allocs, reads, over, node.fwd_time)
             local[v] = out
         for child in children:
             ext = child.external_inputs(graph)

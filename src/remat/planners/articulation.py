@@ -141,7 +141,7 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
         for j in block:
             alive[j] = nodes[j].out_bytes
             live += nodes[j].out_bytes
-            worst_none = max(worst_none, live + nodes[j].fwd_overhead_bytes)
+            worst_none = max(worst_none, live + nodes[j].none_overhead_bytes)
             for u in [*nodes[j].inputs, j, *held_at.get(j, ())]:
                 if u in alive and u != last and last_read[u] <= j:
                     live -= alive.pop(u)

@@ -208,6 +208,7 @@ class _Model:
         self.d = ints(chain.out_bytes, 0)
         self.sv = ints(chain.saved_bytes, 0)
         ovf = ints(chain.fwd_overhead_bytes, 0)
+        ovn = ints(chain.fwd_none_overhead_bytes, 0)  # F_none's transients
         ovb = ints(chain.bwd_overhead_bytes, 0)
         self.f = np.array([0.0, *chain.fwd_time, 0.0])
         self.b = np.array([0.0, *chain.bwd_time, 0.0])
@@ -220,12 +221,12 @@ class _Model:
         )  # [s, t]
         self._store_need = self.store_need_table.tolist()
         # nograd_peak[s, e]: the most that F_none of s..e needs above the caller (who holds
-        # a[s-1]): max(a[s] + ovf[s], a[i-1] + a[i] + ovf[i] for s < i <= e).
-        step = np.r_[0, self.a[:-1] + self.a[1:] + ovf[1:]]
+        # a[s-1]): max(a[s] + ovn[s], a[i-1] + a[i] + ovn[i] for s < i <= e).
+        step = np.r_[0, self.a[:-1] + self.a[1:] + ovn[1:]]
         self.nograd_peak = np.zeros((N + 1, N + 1), dtype=np.int64)
         for s in range(1, N + 1):
             run = step[s : N + 1].copy()
-            run[0] = self.a[s] + ovf[s]
+            run[0] = self.a[s] + ovn[s]
             self.nograd_peak[s, s:] = np.maximum.accumulate(run)
         self.tol = _REL_TOL * max(1.0, float(self.cumf[-1] + self.b.sum()))
         self._least_peak: tuple[np.ndarray, np.ndarray] | None = None
@@ -641,6 +642,7 @@ class _Search:
                     input_bytes=-(-chain.input_bytes // q),
                     fwd_overhead_bytes=up(chain.fwd_overhead_bytes),
                     bwd_overhead_bytes=up(chain.bwd_overhead_bytes),
+                    fwd_none_overhead_bytes=up(chain.fwd_none_overhead_bytes),
                 )
             )
             top = self.largest_budget // q - rounded.input
