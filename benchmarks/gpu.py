@@ -102,6 +102,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def error_row(section: str, err: Exception, **fields: Any) -> dict[str, Any]:
+    """A section's failure as a result row (the run goes on)."""
+    return {
+        "section": section,
+        **fields,
+        "error": f"{type(err).__name__}: {err}"[:1500],
+        "traceback": traceback.format_exc()[-3000:],
+    }
+
+
 def fresh(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -176,14 +186,7 @@ def promises(report: Report, device: torch.device, names: list[str]) -> None:
             try:
                 _promise(report, device, name)
             except Exception as err:  # a failure is a result
-                report.add(
-                    {
-                        "section": "promises",
-                        "model": name,
-                        "error": f"{type(err).__name__}: {err}"[:1500],
-                        "traceback": traceback.format_exc()[-3000:],
-                    }
-                )
+                report.add(error_row("promises", err, model=name))
             fresh(device)
     finally:
         torch.use_deterministic_algorithms(False)
@@ -407,14 +410,7 @@ def table(
                 peaks,
             )
         except Exception as err:
-            report.add(
-                {
-                    "section": "table",
-                    "model": key,
-                    "error": f"{type(err).__name__}: {err}"[:1500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            )
+            report.add(error_row("table", err, model=key))
         fresh(device)
     return peaks
 
@@ -625,13 +621,7 @@ def main() -> None:
         try:
             compiled(report, device, args.tiny, peaks.get("gpt2:torch-compile@0.5"))
         except Exception as err:
-            report.add(
-                {
-                    "section": "compiled",
-                    "error": f"{type(err).__name__}: {err}"[:1500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            )
+            report.add(error_row("compiled", err))
     log("done")
 
 

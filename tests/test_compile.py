@@ -76,6 +76,16 @@ def assert_equal_grads(model: nn.Module, reference: nn.Module) -> None:
         torch.testing.assert_close(g, w, **TOL)
 
 
+def lm_batch() -> dict[str, torch.Tensor]:
+    """Token ids for :func:`gpt2`, its labels the same ids."""
+    ids = torch.randint(0, 128, (4, 32))
+    return {"input_ids": ids, "labels": ids}
+
+
+def lm_loss(m: nn.Module, b: dict) -> torch.Tensor:
+    return m(**b).loss
+
+
 def step_of(module: nn.Module, loss: Any, batch: Any) -> Any:
     def step() -> None:
         loss(module, batch).backward()
@@ -227,11 +237,8 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph:
 def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> None:
     model = gpt2()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (4, 32))
-    batch = {"input_ids": ids, "labels": ids}
-
-    def loss(m: nn.Module, b: dict) -> torch.Tensor:
-        return m(**b).loss
+    batch = lm_batch()
+    loss = lm_loss
 
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
     assert any(seg.checkpoint for seg in planned.plan.walk())
@@ -452,11 +459,8 @@ def test_gpt2_runs_as_one_compiled_graph_within_its_measured_prediction_and_budg
     # (NOTE [ One compiled graph ]); the step is one graph, no break, within both
     model = gpt2()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (4, 32))
-    batch = {"input_ids": ids, "labels": ids}
-
-    def loss(m: nn.Module, b: dict) -> torch.Tensor:
-        return m(**b).loss
+    batch = lm_batch()
+    loss = lm_loss
 
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
     assert summary.compiled == "one-graph", summary.compiled_note
@@ -486,8 +490,7 @@ def test_one_graph_prediction_holds_for_a_loop_that_keeps_the_output_and_steps_a
     # the stages' prediction is added to the loop's whole-step prediction (output held, Adam's
     # state and step): measured there too, each within it
     model = gpt2()
-    ids = torch.randint(0, 128, (4, 32))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = lm_batch()
     optimizer = torch.optim.Adam(model.parameters())
     planned, summary = remat.auto(
         model, batch, budget="92%", compile=PARTITIONER, loop="output-held", optimizer=optimizer
@@ -515,11 +518,8 @@ def test_one_graph_is_measured_and_a_graph_per_stage_kept_where_it_does_not_fit(
     # recomputation holds more than the stages saved): each stage runs as its own graph,
     # predicted from the compiled capture, within the budget
     model = gpt2()
-    ids = torch.randint(0, 128, (4, 32))
-    batch = {"input_ids": ids, "labels": ids}
-
-    def loss(m: nn.Module, b: dict) -> torch.Tensor:
-        return m(**b).loss
+    batch = lm_batch()
+    loss = lm_loss
 
     with pytest.raises(remat.BudgetTooSmallError) as info:
         remat.auto(model, batch, budget=1, compile=PARTITIONER, loop="loss-only")
