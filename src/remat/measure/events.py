@@ -155,7 +155,7 @@ UNSPLIT_BLOCKS_WARNING = (
     "max_memory_allocated counts and remat cannot predict (an H100 step measured 657,376 B over "
     "its prediction on ResNet-18, 9.7 MB on a compiled GPT-2 124M). Set "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts: the same steps then "
-    "measured 2,016 B over and 1.06 MB under (docs/results/gpu)"
+    "measured 760 B and 1.06 MB under their predictions (docs/results/gpu)"
 )
 
 
