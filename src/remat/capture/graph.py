@@ -25,9 +25,9 @@ the 9-24 s ``torch.export`` takes on a ResNet-50 or a DenseNet-121 here). Calls 
   saved outlives the sum's backward). After merging every node's output is saved by some
   backward except the sinks, outputs read by several nodes and those kept apart so.
 * calls whose outputs need no gradient (masks, position ids, integer arithmetic, a frozen
-  prefix) are not nodes; the storages they make that a backward saves are counted in
-  ``Graph.input_bytes`` with the batch, the others, from the call that makes them to the
-  moment they are freed, are ``Graph.constants`` (:class:`~remat.core.graph.Constant`).
+  prefix) are not nodes; the storages they make are ``Graph.constants``
+  (:class:`~remat.core.graph.Constant`), from the call that makes them to the moment they are
+  freed and, when backwards save them, to the last of those backwards (``saved_by``).
   Nodes from which the loss cannot be reached are dropped.
 * a node's output that the program holds after its last reader (``h`` in
   ``h = block(h) * mask`` lives until the multiplication returns) gets
@@ -189,8 +189,8 @@ class GraphTrace:
     batch_bytes: int
     """Unique bytes of the batch's tensors (part of ``graph.input_bytes``)."""
     saved_constant_bytes: int
-    """Bytes of saved storages made by calls that need no gradient (part of
-    ``graph.input_bytes``)."""
+    """Bytes of saved storages made by calls that need no gradient (``graph.constants`` with
+    ``saved_by``, or part of ``graph.input_bytes``: :meth:`Graph.saved_constants_as_input`)."""
     real_saved_bytes: int = field(default=0)
     """Unique bytes autograd saved during the traced forward (parameters and batch excluded),
     counted directly from the hooks: ``sum(saved_bytes) - unsaved outputs`` equals it."""
@@ -1019,6 +1019,8 @@ class _Grouping:
     """Storages made by calls that need no gradient (masks, indices, ...)."""
     saved_constants: dict[int, int]
     """Of those and of the known storages no node owns, the bytes of each a backward saves."""
+    constant_savers: dict[int, set[int]]
+    """Per saved constant, the provisional nodes whose backward saves it."""
     call_node: list[int | None]
     """Per call, its provisional node (None: a call that is no node's)."""
     is_view: list[bool]
@@ -1058,11 +1060,22 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     batch_bytes = sum(st.batch_keys.values())
     const_bytes = sum(grouping.saved_constants.values())
     unsaved_constants = grouping.constants - grouping.saved_constants.keys()
+    # a saved constant lives until the backwards that save it (Constant.saved_by); one saved
+    # by a dropped node or made before the recorded calls is counted all step, with the batch
+    savers = {k: {index.get(roots[u]) for u in us} for k, us in grouping.constant_savers.items()}
+    timed = {k for k, vs in savers.items() if None not in vs and k in st.born}
     graph = Graph(
         tuple(graph_nodes),
-        input_bytes=batch_bytes + const_bytes,
+        input_bytes=batch_bytes
+        + sum(b for k, b in grouping.saved_constants.items() if k not in timed),
         time_unit=time_unit,
-        constants=_constants(st, unsaved_constants, node_calls, call_node),
+        constants=_constants(
+            st,
+            unsaved_constants | timed,
+            node_calls,
+            call_node,
+            {k: savers[k] for k in timed},  # type: ignore[misc]
+        ),
     )
     infos = tuple(
         CallInfo(
@@ -1109,6 +1122,7 @@ def _group(st: _State, level: str) -> _Grouping:
     by_group: dict[tuple[Any, ...], int] = {}
     constants: set[int] = set()
     saved_constants: dict[int, int] = {}
+    constant_savers: dict[int, set[int]] = {}
     call_node: list[int | None] = [None] * len(calls)
     is_view = [False] * len(calls)
 
@@ -1166,6 +1180,7 @@ def _group(st: _State, level: str) -> _Grouping:
                 continue
             if k in constants or (k not in owner and k in st.known):
                 saved_constants[k] = nbytes
+                constant_savers.setdefault(k, set()).add(v)
                 continue
             u = owner.get(k)
             if u is None or u == v:  # own output, or a storage made inside the call
@@ -1176,7 +1191,7 @@ def _group(st: _State, level: str) -> _Grouping:
             else:
                 node.saved_inputs.add(u)
                 nodes[u].saved_outputs.add(k)
-    return _Grouping(nodes, owner, constants, saved_constants, call_node, is_view)
+    return _Grouping(nodes, owner, constants, saved_constants, constant_savers, call_node, is_view)
 
 
 def _node_outputs(nodes: list[_N]) -> list[list[int]]:
@@ -1362,11 +1377,13 @@ def _constants(
     keys: set[int],
     node_calls: list[tuple[int, ...]],
     call_node: list[int | None],
+    saved_by: dict[int, set[int]],
 ) -> tuple[Constant, ...]:
-    """The storages made without gradient and saved by no backward that are live while a node
-    runs forward (:class:`~remat.core.graph.Constant`): from the call that made each to the
-    moment it was freed (the recorded calls by then; Python may hold it past its last read,
-    as a Hugging Face model holds its input embeddings to the end of its forward)."""
+    """The storages made without gradient that are live while a node runs forward
+    (:class:`~remat.core.graph.Constant`): from the call that made each to the moment it was
+    freed (the recorded calls by then; Python may hold it past its last read, as a Hugging
+    Face model holds its input embeddings to the end of its forward), and for those in
+    ``saved_by``, until the backwards of the nodes that save them."""
     first_call = [min(c) for c in node_calls]
     last_call = [max(c) for c in node_calls]
     readers: dict[int, set[int]] = {}
@@ -1384,13 +1401,18 @@ def _constants(
             continue
         died = st.died.get(k, len(st.calls))
         mine = readers.get(k, set())
+        savers = saved_by.get(k, set())
         live = [
             v
             for v in range(len(node_calls))
-            if v in mine or (born < last_call[v] and died > first_call[v])
+            if v in mine or v in savers or (born < last_call[v] and died > first_call[v])
         ]
         if live:
-            out.append(Constant(st.known[k], min(live), max(live), tuple(sorted(mine))))
+            out.append(
+                Constant(
+                    st.known[k], min(live), max(live), tuple(sorted(mine)), tuple(sorted(savers))
+                )
+            )
     return tuple(out)
 
 

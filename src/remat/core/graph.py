@@ -209,8 +209,9 @@ class Constant:
     one keeps it until the segment is recomputed in the backward. The simulator allocates it at
     the first forward of node ``first``, frees it after the first forward of node ``last``, and
     keeps it further for every later forward of a ``readers`` node (a recomputation reads the
-    copy its checkpoint kept). Constants that a backward saves are not listed: they are counted
-    in ``Graph.input_bytes``, all step."""
+    copy its checkpoint kept). A constant that backwards save (a detection model's anchors and
+    matched indices, a loss's target indices) lists the nodes whose backward saves it in
+    ``saved_by`` and is kept until each of their backwards has run."""
 
     nbytes: int
     """Bytes of its storage."""
@@ -220,9 +221,12 @@ class Constant:
     """The last node whose first forward runs while it is live."""
     readers: tuple[int, ...] = ()
     """The nodes whose forward reads it."""
+    saved_by: tuple[int, ...] = ()
+    """The nodes whose backward saves it: it lives until the last of their backwards."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "readers", tuple(self.readers))
+        object.__setattr__(self, "saved_by", tuple(self.saved_by))
         object.__setattr__(self, "nbytes", _as_bytes("<constant>", "nbytes", self.nbytes))
         if not 0 <= self.first <= self.last:
             raise ValueError(f"constant: need 0 <= first <= last, got {self.first}, {self.last}")
@@ -233,12 +237,15 @@ class Constant:
             )
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "nbytes": self.nbytes,
             "first": self.first,
             "last": self.last,
             "readers": list(self.readers),
         }
+        if self.saved_by:  # constants no backward saves read and hash as before
+            obj["saved_by"] = list(self.saved_by)
+        return obj
 
 
 @dataclass(frozen=True)
@@ -295,8 +302,8 @@ class Graph:
         for c in self.constants:
             if not isinstance(c, Constant):
                 raise TypeError(f"Graph.constants holds {type(c).__name__}, expected Constant")
-            if c.last >= len(nodes):
-                raise ValueError(f"constant {c}: node {c.last} is not in the graph")
+            if max((c.last, *c.saved_by)) >= len(nodes):
+                raise ValueError(f"constant {c}: a node it names is not in the graph")
         if self.is_chain():  # one cost model: a chain's path graph has the chain's fingerprint
             set_(self, "_fingerprint", self.to_chain().fingerprint)
         else:
@@ -398,6 +405,19 @@ class Graph:
     def is_path(self) -> bool:
         """True when node ``v`` reads exactly node ``v - 1`` (a chain)."""
         return all(node.inputs == ((v - 1,) if v else ()) for v, node in enumerate(self.nodes))
+
+    def saved_constants_as_input(self) -> Graph:
+        """This graph with each constant a backward saves (``Constant.saved_by``) counted in
+        ``input_bytes``, all step: an upper bound of its lifetime, for a planner that models
+        constants by their forward span only (the plans it makes are simulated on ``self``)."""
+        saved = [c for c in self.constants if c.saved_by]
+        if not saved:
+            return self
+        return replace(
+            self,
+            input_bytes=self.input_bytes + sum(c.nbytes for c in saved),
+            constants=tuple(c for c in self.constants if not c.saved_by),
+        )
 
     def is_chain(self) -> bool:
         """True when this is the path graph of a :class:`~remat.core.chain.Chain`

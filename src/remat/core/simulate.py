@@ -18,7 +18,8 @@ The rules (``docs/graphs.md`` has them with an example):
 * A **constant** (``Graph.constants``: a tensor without gradient, such as a frozen layer's
   output) is allocated at the first forward of its ``first`` node, freed after the first forward
   of its ``last`` node, and kept for every later forward of a node that reads it (a
-  recomputation reads the copy its checkpoint frame kept).
+  recomputation reads the copy its checkpoint frame kept) and until the backward of every node
+  that saves it (``saved_by``).
 * Forward, in ``order`` (default: node order). A **stored** node (in no segment) runs with grad
   (``F_all``): it allocates ``saved_bytes`` (output + residual) and keeps them, plus the inputs
   its backward reads, until its backward. A node in a segment runs without grad (``F_none``):
@@ -365,6 +366,7 @@ class _Lowering:
         self.const_new: dict[int, list[tuple[Tensor, int]]] = {}
         self.const_last: dict[int, list[Tensor]] = {}
         self.const_reads: dict[int, list[Tensor]] = {}
+        self.const_saved: dict[int, list[Tensor]] = {}
         for i, c in enumerate(graph.constants):
             tensor: Tensor = ("const", i, 0)
             span = (c.first, c.last, *c.readers)
@@ -374,6 +376,8 @@ class _Lowering:
             self.const_last.setdefault(max(span, key=lambda x: self.pos[x]), []).append(tensor)
             for v in c.readers:
                 self.const_reads.setdefault(v, []).append(tensor)
+            for v in c.saved_by:  # kept until the backward of each node that saves it
+                self.const_saved.setdefault(v, []).append(tensor)
         # outputs the program holds past their last reader (Node.held_until): read by the
         # first forward of that node, when it runs later
         self.held_at: dict[int, list[Tensor]] = {}
@@ -477,7 +481,12 @@ class _Lowering:
                 if u not in grads_made:
                     grads_made.add(u)
                     allocs.append((("grad", u, 0), graph.nodes[u].out_bytes))
-            reads = [("grad", v, 0), *self.holds.pop(v, ()), *self.frame_release.pop(v, ())]
+            reads = [
+                ("grad", v, 0),
+                *self.holds.pop(v, ()),
+                *self.frame_release.pop(v, ()),
+                *self.const_saved.get(v, ()),
+            ]
             self._emit("B", v, False, allocs, reads, node.bwd_overhead_bytes, node.bwd_time)
         frees: list[list[Tensor]] = [[] for _ in self.ops]
         for tensor, idx in self.last_use.items():

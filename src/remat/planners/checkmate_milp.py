@@ -786,7 +786,9 @@ class RunModel(_Model):
 
 def _model(graph: Graph, encoding: str, cap_bytes: int | None = None) -> _Model:
     """The MILP of ``graph``; ``cap_bytes`` (an upper bound of every budget it will be solved
-    at) tightens the ``runs`` encoding's big-M constants and variable bounds."""
+    at) tightens the ``runs`` encoding's big-M constants and variable bounds. Constants that
+    backwards save are counted all step (:meth:`Graph.saved_constants_as_input`)."""
+    graph = graph.saved_constants_as_input()
     return RunModel(graph, cap_bytes) if encoding == "runs" else StageModel(graph)
 
 
