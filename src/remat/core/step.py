@@ -353,7 +353,21 @@ def measured_step_peak(
     two is taken, which is never above what the simulation plus the excess, if any, gives.
     The optimizer step is not in the measured step and neither shrinks nor grows with the
     plan's activations: it stays :attr:`StepCosts.optimizer_phase_bytes`. Below
-    :func:`step_peak` where the graph measured below the simulation."""
+    :func:`step_peak` where the graph measured below the simulation.
+
+    Example (the module's timeline; the measured step without the optimizer's state, the held
+    output and the optimizer step, which its simulation puts at 150):
+        >>> import dataclasses
+        >>> costs = StepCosts(100, (10, 20), output_held_bytes=5, optimizer_step_bytes=40)
+        >>> timeline = [StepEvent(False, 0, 40, 30), StepEvent(False, 1, 60, 50),
+        ...             StepEvent(True, 1, 70, 40), StepEvent(True, 0, 45, 0)]
+        >>> measured = dataclasses.replace(
+        ...     costs, persistent_bytes=60, output_held_bytes=0, optimizer_step_bytes=0)
+        >>> step_phases(timeline, costs)
+        StepPhases(backward_bytes=195, optimizer_bytes=175)
+        >>> [measured_step_peak(timeline, costs, b, measured) for b in (160, 140, 100)]
+        [205, 185, 175]
+    """
     measured_timeline = timeline if measured_timeline is None else measured_timeline
     if len(measured_timeline) != len(timeline):
         raise ValueError(
