@@ -275,7 +275,8 @@ def measured_step_peak_of(
     the chain that step was simulated on, default ``chain``). :func:`step_peak_of` moved by
     what was measured above or below the simulation, the optimizer step kept."""
     timeline, _, spans = _chain_step(chain, plan, costs)
-    measured_timeline = chain_timeline(measured_chain or chain, plan.for_chain(chain))
+    measured_chain = measured_chain or chain
+    measured_timeline = chain_timeline(measured_chain, plan.for_chain(measured_chain))
     return measured_step_peak(
         timeline, costs, measured_bytes, measured_costs, measured_timeline, spans
     )
