@@ -81,8 +81,14 @@ from remat.measure.events import (
     step_peak_bytes,
 )
 from remat.measure.profile import default_loss_fn, optimizer_costs
-from remat.planners import BudgetTooSmallError
-from remat.planning import chain_timeline, plan_for_step, step_peak_of
+from remat.planners import BudgetTooSmallError, plan_chain
+from remat.planning import (
+    chain_timeline,
+    measured_step_peak_of,
+    plan_for_step,
+    step_peak_of,
+    unit_time_least_plan,
+)
 
 if TYPE_CHECKING:
     from remat.capture.chain import Captured
@@ -148,11 +154,13 @@ class AutoSummary:
     its own graph, predicted from the chain), None when not compiled."""
     one_graph_over_bytes: int | None = None
     """With ``compile=``: the bytes the one-graph compiled step of the plan measured above the
-    chain's prediction (0 when at or below it; in :attr:`predicted_peak_bytes` when
-    ``compiled == "one-graph"``). None when not measured."""
+    chain's prediction of the same step (negative: below it; in :attr:`predicted_peak_bytes`
+    when ``compiled == "one-graph"``, on the forward and backward only:
+    :func:`remat.core.step.measured_step_peak`). None when not measured."""
     compiled_note: str = ""
     """The one-graph trials that did not fit, with their bytes (why a compiled plan runs a
-    graph per stage, or which plans one graph was tried on first)."""
+    graph per stage, or which plans one graph was tried on first; below the chain's least,
+    the least plans measured as one graph)."""
 
     @classmethod
     def of(
@@ -235,9 +243,11 @@ class AutoSummary:
         if self.compiled is None:
             return []
         if self.compiled == "one-graph":
-            text = "one graph (its step measured: " + (
-                f"{format_bytes(self.one_graph_over_bytes or 0)} above the stages' prediction,"
-                " counted)"
+            over = self.one_graph_over_bytes or 0
+            where = "above" if over >= 0 else "below"
+            text = (
+                f"one graph (its step measured: {format_bytes(abs(over))} {where} the stages' "
+                "prediction, counted on the forward and backward)"
             )
             if self.compiled_note:
                 text += f"; {self.compiled_note}"
@@ -753,11 +763,17 @@ def auto(
     ``compile``, by the allocator's events; any backend). Then the plan's whole forward is
     compiled as **one graph** (NOTE [ One compiled graph ] in :mod:`remat.execute.chain`:
     faster) and that step's peak measured (the allocator's events; the captured loss, no
-    optimizer): what it measured above the chain's prediction of the same step is added to the
-    prediction, and a plan over the budget is planned again below it by the excess
-    (:func:`_fit_one_graph`, :data:`ONE_GRAPH_TRIALS` plans; nested plans replaced by
-    :data:`FLAT_METHOD`'s). Where no plan fits, each stage runs as its own compiled graph (NOTE
-    [ One graph per stage ] in :mod:`remat.capture.chain`), predicted as the eager step is.
+    optimizer): what it measured above or below the chain's prediction of the same step moves
+    the prediction of the forward and backward (the optimizer step, not in the graph, stays
+    the chain's: :func:`remat.core.step.measured_step_peak`), and a plan over the budget is
+    planned again below it by the excess (:func:`_fit_one_graph`, :data:`ONE_GRAPH_TRIALS`
+    plans; nested plans replaced by :data:`FLAT_METHOD`'s). A budget below the chain's least
+    is tried with the least-memory flat plans measured as one graph
+    (:meth:`_StepModel.fit_below_least`): one graph can hold less than its stages compiled
+    alone, so the minimum a refusal names is the least of the chain's and theirs (each
+    refusal and each such budget compiles and measures up to :data:`ONE_GRAPH_TRIALS` graphs).
+    Where no plan fits, each stage runs as its own compiled graph (NOTE [ One graph per stage ]
+    in :mod:`remat.capture.chain`), predicted as the eager step is.
     ``summary.compiled`` says which (chain path only: a model planned as a module graph raises
     :class:`~remat.core.errors.UnsupportedModelError`; and real captures only: ``fake=True``
     raises ``ValueError``).
@@ -797,21 +813,27 @@ def auto(
     grads = stage_grad_bytes(captured.stages)
     step = _StepModel(model, batch, loss_fn, loop, method, fixed, grads, step_bytes)
 
+    refused: BudgetTooSmallError | None = None  # compiled: tried as one graph below its least
     try:
         chosen, total = step.plan(captured, budget)
     except BudgetTooSmallError as err:
-        if captured.stages.kind != GENERIC_KIND or stages is not None or options is not None:
+        if options is not None:
+            refused = err
+            chosen, total = Plan.none(chain), err.budget_bytes
+        elif captured.stages.kind != GENERIC_KIND or stages is not None:
             raise
-        # the generic stages (remat.capture.stages.families.blocks) are one way to see the model: the
-        # module graph may fit a budget they do not; the error names the lower minimum
-        try:
-            why = (
-                "the model's chain of stages around its list of blocks cannot meet the budget "
-                f"({str(err).splitlines()[0]})"
-            )
-            return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
-        except BudgetTooSmallError as graph_err:
-            raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
+        else:
+            # the generic stages (remat.capture.stages.families.blocks) are one way to see the
+            # model: the module graph may fit a budget they do not; the error names the lower
+            # minimum
+            try:
+                why = (
+                    "the model's chain of stages around its list of blocks cannot meet the "
+                    f"budget ({str(err).splitlines()[0]})"
+                )
+                return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
+            except BudgetTooSmallError as graph_err:
+                raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
     spec = _replan_budget(budget, total)
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 
@@ -843,15 +865,20 @@ def auto(
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             new = dataclasses.replace(new, chain=chain)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
-        with _for_new_inputs(args, kwargs, now.live):
-            plan, total_now = step.plan(new, spec, now)
-        if options is None:
-            return plan
 
         def measure(p: Plan) -> int:
             trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
             return _one_graph_peak(model, trial, call_loss, (args, kwargs))
 
+        with _for_new_inputs(args, kwargs, now.live):
+            try:
+                plan, total_now = step.plan(new, spec, now)
+            except BudgetTooSmallError as err:
+                if options is None:
+                    raise
+                return step.fit_below_least(new, err, now, measure, base).plan
+        if options is None:
+            return plan
         return step.fit_one_graph(new, plan, total_now, now, measure, base).plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
@@ -869,7 +896,10 @@ def auto(
             trials[p.describe()] = trial = build(as_one_graph(p))
             return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
 
-        fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
+        if refused is not None:
+            fit = step.fit_below_least(captured, refused, None, measure_first)
+        else:
+            fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
         chosen = fit.plan
         planned = trials.get(chosen.describe()) if fit.one_graph else None
         planned = planned or build(chosen)
@@ -984,7 +1014,8 @@ class _StepModel:
             )
 
         def candidates() -> list[Plan]:
-            # the planner's plans from its least budget to the budget, fastest first
+            # the planner's plans from its least budget to the budget, fastest first, then the
+            # least-memory flat plans (one graph may hold less than the chain predicts)
             if total_now is None:
                 return []
             try:
@@ -998,7 +1029,9 @@ class _StepModel:
                 p = _planned(plan_at, budget)
                 if p is not None:
                     found.setdefault(p.describe(), p)
-            return sorted(found.values(), key=lambda p: simulate(new.chain, p).total_time)
+            fastest = sorted(found.values(), key=lambda p: simulate(new.chain, p).total_time)
+            lowest = [p for p in _least_plans(new.chain, self.method) if p.describe() not in found]
+            return fastest + lowest
 
         return _fit_one_graph(
             first,
@@ -1006,11 +1039,82 @@ class _StepModel:
             plan_at=plan_at,
             candidates=candidates,
             predicted=lambda p: step_peak_of(new.chain, p, self.costs(new, now)),
-            baseline=lambda p: step_peak_of(
-                (base or new).chain, p, self.loss_only_costs(base or new, now)
-            ),
+            baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
+            whole=lambda p, measured: self.whole(new, p, measured, now, base),
         )
+
+    def baseline(
+        self, new: Captured, plan: Plan, now: _Trained | None, base: Captured | None = None
+    ) -> int:
+        """The chain's prediction of the step a one-graph plan is measured on
+        (:meth:`loss_only_costs`; ``base``: the capture without a re-plan's loss margin)."""
+        return step_peak_of((base or new).chain, plan, self.loss_only_costs(base or new, now))
+
+    def whole(
+        self,
+        new: Captured,
+        plan: Plan,
+        measured: int,
+        now: _Trained | None,
+        base: Captured | None = None,
+    ) -> int:
+        """The whole step's peak of ``plan`` run as one graph whose step (:meth:`loss_only_costs`)
+        measured ``measured``: the forward and backward moved by what the graph measured above
+        or below the chain, the optimizer step as the chain model has it
+        (:func:`remat.planning.measured_step_peak_of`)."""
+        return measured_step_peak_of(
+            new.chain,
+            plan,
+            self.costs(new, now),
+            measured,
+            self.loss_only_costs(base or new, now),
+            (base or new).chain,
+        )
+
+    def fit_below_least(
+        self,
+        new: Captured,
+        refused: BudgetTooSmallError,
+        now: _Trained | None,
+        measure: Callable[[Plan], int],
+        base: Captured | None = None,
+    ) -> _OneGraphFit:
+        """A one-graph plan for the budget the chain model refused (``refused``: its least,
+        a graph per stage), or the refusal naming the least whole step of the plans tried.
+
+        One graph can hold less than its stages compiled alone (the partitioner recomputes
+        across stages what they saved: GPT-2 124M on an H100, 5,398,799,872 B measured where
+        the stages' least was 6,631,674,904 B), so below the chain's least :func:`auto` measures
+        the least-memory plans as one graph (:func:`_least_plans`, at most
+        :data:`ONE_GRAPH_TRIALS`, whatever the budget: the minimum named does not depend on it)
+        and runs the fastest whose whole step (:meth:`whole`) fits. None fits: the
+        :class:`~remat.planners.BudgetTooSmallError` names the least of the chain's and theirs,
+        a budget it then accepts."""
+        total = refused.budget_bytes
+        results = []
+        for p in _least_plans(new.chain, self.method):
+            measured = measure(p)
+            whole = self.whole(new, p, measured, now, base)
+            results.append((p, whole, measured - self.baseline(new, p, now, base)))
+        shown = "; ".join(f"{p.describe()}: {w:,} B" for p, w, _ in results)
+        fitting = [r for r in results if r[1] <= total]
+        if fitting:
+            p, whole, over = min(fitting, key=lambda r: simulate(new.chain, r[0]).total_time)
+            note = (
+                f"one graph below the stages' least {refused.minimum_bytes:,} B (least plans "
+                f"measured as one graph: {shown})"
+            )
+            return _OneGraphFit(as_one_graph(p), whole, over, note)
+        minimum = min([refused.minimum_bytes, *(w for _, w, _ in results)])
+        raise BudgetTooSmallError(
+            total,
+            minimum,
+            refused.method,
+            f"compiled: a graph per stage needs {refused.minimum_bytes:,} B; the least plans "
+            f"run as one graph need {shown}",
+            kind="whole-step",
+        ) from refused
 
 
 ONE_GRAPH_TRIALS = 3
@@ -1030,10 +1134,11 @@ class _OneGraphFit(NamedTuple):
     plan: Plan
     """The plan, marked one-graph (:func:`remat.execute.chain.as_one_graph`) or not."""
     predicted: int
-    """Its whole-step prediction: the chain's, plus what its one graph measured above it."""
+    """Its whole-step prediction: run as one graph, from what the graph measured
+    (:meth:`_StepModel.whole`); else the chain's."""
     over: int | None
-    """Bytes the one graph measured above the chain's prediction (of the plan run, or of the
-    first plan tried); None when none was measured."""
+    """Bytes the one graph measured above the chain's prediction of the same step, negative
+    below (of the plan run, or of the first plan tried); None when none was measured."""
     note: str
     """The trials that did not fit (empty when the first did)."""
 
@@ -1050,23 +1155,29 @@ def _fit_one_graph(
     baseline: Callable[[Plan], int],
     measure: Callable[[Plan], int],
     candidates: Callable[[], Sequence[Plan]] = tuple,
+    *,
+    whole: Callable[[Plan, int], int],
 ) -> _OneGraphFit:
     """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
 
     The chain predicts the step of the stages compiled one by one, not the one graph (its
     recomputations and transients are the graph's), so each plan tried is measured compiled:
     ``measure(plan)`` is the peak of its one-graph step with the captured loss and no
-    optimizer, and ``baseline(plan)`` the chain's prediction of that same step; what the graph
-    measured above it (``over``, at least 0) is added to the whole step's prediction
-    ``predicted(plan)``. When that exceeds ``total``, the next plan tried is the planner's for
+    optimizer, and ``baseline(plan)`` the chain's prediction of that same step (``over``: what
+    the graph measured above it, negative below); ``whole(plan, measured)`` is the whole
+    step's prediction from that measure (:meth:`_StepModel.whole`: the chain's forward and
+    backward moved by ``over``, above or below, the optimizer step kept). When that exceeds
+    ``total``, the next plan tried is the planner's for
     the budget lowered by the excess (``plan_at``), or, where that one was tried already or
     the budget is below the planner's least, the fastest of ``candidates()`` not tried yet
     (:func:`auto`: the planner's plans over budgets from its least to ``total``, fastest
     first); :data:`ONE_GRAPH_TRIALS` plans at most. A plan that nests checkpoints (one graph
     cannot run it: the partitioner keeps the outer segment's activations) is not tried; a
-    nested ``first`` is replaced by ``plan_at(total)``, which :func:`auto` makes flat. If none
-    fits the first plan runs a graph per stage, as the chain predicts it, and the note says
-    what was measured."""
+    nested ``first`` is replaced by ``plan_at(total)``, which :func:`auto` makes flat, or where
+    there is none (the budget below the flat planner's least) by the first flat candidate
+    (:func:`auto`'s end with the least-memory plans, :func:`_least_plans`). If none
+    fits the first plan runs a graph per stage, as the chain predicts it (``predicted(plan)``),
+    and the note says what was measured."""
     tried: list[str] = []
     seen: set[str] = set()
     first_over: int | None = None
@@ -1076,20 +1187,22 @@ def _fit_one_graph(
         plan = _planned(plan_at, total)
         if plan is None:
             tried.append(f"{first.describe()} nests checkpoints, no flat plan for the budget")
+            pool = list(candidates())
+            plan = next((p for p in pool if not _nested(p)), None)
     while plan is not None and len(seen) < ONE_GRAPH_TRIALS:
         if _nested(plan):
             tried.append(f"{plan.describe()} nests checkpoints")
             break
         seen.add(plan.describe())
         measured = measure(plan)
-        over = max(0, measured - baseline(plan))
+        over = measured - baseline(plan)
         first_over = over if first_over is None else first_over
-        whole = predicted(plan) + over
-        if total is None or whole <= total:
+        step = whole(plan, measured)
+        if total is None or step <= total:
             note = "one graph after: " + "; ".join(tried) if tried else ""
-            return _OneGraphFit(as_one_graph(plan), whole, over, note)
-        tried.append(f"{plan.describe()}: {whole:,} B ({over:,} B measured above the stages)")
-        plan = _planned(plan_at, total - (whole - total))
+            return _OneGraphFit(as_one_graph(plan), step, over, note)
+        tried.append(f"{plan.describe()}: {step:,} B ({over:,} B measured above the stages)")
+        plan = _planned(plan_at, total - (step - total))
         if plan is None or plan.describe() in seen or _nested(plan):
             if pool is None:
                 pool = list(candidates())
@@ -1098,6 +1211,23 @@ def _fit_one_graph(
         tried.append("no other plan")
     note = "one graph over the budget: " + "; ".join(tried) if tried else ""
     return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _least_plans(chain: Chain, method: str) -> list[Plan]:
+    """The flat least-memory plans a one-graph step below the chain's least is tried with
+    (:meth:`_StepModel.fit_below_least`), at most :data:`ONE_GRAPH_TRIALS`: ``method``'s and
+    :data:`FLAT_METHOD`'s least-activation plans made on unit times (they do not move with
+    timing noise, so neither does the minimum named; a nested one left out) and every stage
+    checkpointed."""
+    found: dict[str, Plan] = {}
+    for p in (
+        unit_time_least_plan(chain, method),
+        unit_time_least_plan(chain, FLAT_METHOD),
+        plan_chain(chain, "every-stage"),
+    ):
+        if not _nested(p):
+            found.setdefault(p.describe(), p)
+    return list(found.values())[:ONE_GRAPH_TRIALS]
 
 
 def _planned(plan_at: Callable[[int], Plan], budget: int) -> Plan | None:

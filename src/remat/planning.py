@@ -19,7 +19,7 @@ from remat.core.graph import Graph
 from remat.core.graph_plan import GraphPlan
 from remat.core.plan import Plan
 from remat.core.simulate import checkpoint_spans, graph_step_peak, simulate_graph
-from remat.core.step import StepCosts, StepEvent, step_peak
+from remat.core.step import StepCosts, StepEvent, measured_step_peak, step_peak
 from remat.core.units import format_bytes, parse_bytes
 from remat.planners import (
     BudgetTooSmallError,
@@ -42,6 +42,8 @@ __all__ = [
     "least_step_plan",
     "step_candidates",
     "step_peak_of",
+    "measured_step_peak_of",
+    "unit_time_least_plan",
     "chain_timeline",
     "DEFAULT_METHOD",
 ]
@@ -241,13 +243,43 @@ def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
             f"checkpoint_states={costs.checkpoint_states!r} is the graph executor's; a chain's "
             "executor (torch's checkpoint) keeps one state per segment: 'per-segment'"
         )
-    plan = plan.for_chain(structure)  # type: ignore[union-attr]
+    return step_peak(*_chain_step(structure, plan, costs))
+
+
+def _chain_step(
+    chain: Chain, plan: Plan, costs: StepCosts
+) -> tuple[list[StepEvent], StepCosts, tuple[tuple[int, int], ...]]:
+    """``(timeline, costs, segments)`` of :func:`remat.core.step.step_peak` for ``plan`` on
+    ``chain`` (the checkpointed segments, :func:`remat.core.simulate.checkpoint_spans`,
+    where ``costs`` keeps a state per segment)."""
+    plan = plan.for_chain(chain)
     spans = (
-        checkpoint_spans(GraphPlan.from_chain_plan(plan, structure))
+        tuple(checkpoint_spans(GraphPlan.from_chain_plan(plan, chain)))
         if costs.checkpoint_state_bytes
         else ()
     )
-    return step_peak(chain_timeline(structure, plan), costs, spans)
+    return chain_timeline(chain, plan), costs, spans
+
+
+def measured_step_peak_of(
+    chain: Chain,
+    plan: Plan,
+    costs: StepCosts,
+    measured_bytes: int,
+    measured_costs: StepCosts,
+    measured_chain: Chain | None = None,
+) -> int:
+    """The whole training step's peak of ``plan`` on ``chain`` with ``costs``, where its step
+    with ``measured_costs`` (no optimizer: the one compiled graph :func:`remat.auto` measures)
+    measured ``measured_bytes`` (:func:`remat.core.step.measured_step_peak`; ``measured_chain``:
+    the chain that step was simulated on, default ``chain``). :func:`step_peak_of` moved by
+    what was measured above or below the simulation, the optimizer step kept."""
+    timeline, _, spans = _chain_step(chain, plan, costs)
+    measured_chain = measured_chain or chain
+    measured_timeline = chain_timeline(measured_chain, plan.for_chain(measured_chain))
+    return measured_step_peak(
+        timeline, costs, measured_bytes, measured_costs, measured_timeline, spans
+    )
 
 
 def plan_for_step(
@@ -392,7 +424,7 @@ class _Space:
         if self._floor is None:
             if self.is_chain:
                 chain: Chain = self.structure  # type: ignore[assignment]
-                self._floor = [_unit_time_least_plan(chain, self.method), plan_chain(chain, "none")]
+                self._floor = [unit_time_least_plan(chain, self.method), plan_chain(chain, "none")]
             else:
                 graph: Graph = self.structure  # type: ignore[assignment]
                 least = self.graph_least()
@@ -476,7 +508,7 @@ def _bisect(good: int, bad: int, test: Callable[[int], bool]) -> None:
             bad = mid
 
 
-def _unit_time_least_plan(chain: Chain, method: str) -> Plan:
+def unit_time_least_plan(chain: Chain, method: str) -> Plan:
     """``method``'s least-activation plan chosen on unit times (the fewest recomputations),
     stamped with ``chain``'s simulated cost: it, and the minimum a budget search names, do not
     move with timing noise."""

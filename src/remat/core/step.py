@@ -50,7 +50,11 @@ __all__ = [
     "CHECKPOINT_STATES",
     "StepCosts",
     "StepEvent",
+    "StepPhases",
     "step_peak",
+    "step_phases",
+    "measured_step_peak",
+    "event_step_bytes",
     "segment_state_bytes",
     "output_held_bytes",
     "check_loop",
@@ -285,6 +289,21 @@ class StepCosts:
         return self.fixed_bytes + self.input_bytes + self.loss_bytes + self.optimizer_step_bytes
 
 
+class StepPhases(NamedTuple):
+    """The whole step's peak by phase (:func:`step_phases`): a plan changes the first, not the
+    second."""
+
+    backward_bytes: int
+    """The forward and backward's peak: the timeline's, with what :func:`step_peak` adds."""
+    optimizer_bytes: int
+    """The optimizer step's: :attr:`StepCosts.optimizer_phase_bytes`."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The whole step's peak: the larger phase."""
+        return max(self.backward_bytes, self.optimizer_bytes)
+
+
 def step_peak(
     timeline: Iterable[StepEvent], costs: StepCosts, segments: Sequence[tuple[int, int]] = ()
 ) -> int:
@@ -295,6 +314,80 @@ def step_peak(
     timeline's bytes, maximised over the timeline, and the optimizer step
     (:attr:`StepCosts.optimizer_phase_bytes`). The one whole-step model of chains and graphs:
     ``segments`` comes from :func:`remat.core.simulate.checkpoint_spans` for both."""
+    return step_phases(timeline, costs, segments).peak_bytes
+
+
+def step_phases(
+    timeline: Iterable[StepEvent], costs: StepCosts, segments: Sequence[tuple[int, int]] = ()
+) -> StepPhases:
+    """:func:`step_peak` by phase: the forward and backward's peak (the most of
+    :func:`event_step_bytes`) and the optimizer step's."""
+    return StepPhases(
+        max(event_step_bytes(timeline, costs, segments), default=0), costs.optimizer_phase_bytes
+    )
+
+
+def measured_step_peak(
+    timeline: Sequence[StepEvent],
+    costs: StepCosts,
+    measured_bytes: int,
+    measured_costs: StepCosts,
+    measured_timeline: Sequence[StepEvent] | None = None,
+    segments: Sequence[tuple[int, int]] = (),
+) -> int:
+    """The whole step's peak of a plan whose forward and backward were measured, not only
+    simulated: the plan ran (compiled as one graph, NOTE [ One compiled graph ] in
+    :mod:`remat.execute.chain`) with ``measured_costs`` beside it (the captured loss, no
+    optimizer, nothing held: no optimizer phase) and peaked at ``measured_bytes``, where the
+    simulation of that step (``measured_timeline``, default ``timeline``: the plan's timeline
+    on the structure it was measured with) peaks at ``simulated`` bytes.
+
+    The step of ``costs`` holds at each event what ``costs`` adds there to ``measured_costs``
+    (:func:`event_step_bytes` of the two, event by event): persistent state, the held output,
+    all step; an uncaptured criterion, at the end of the forward. So its forward and backward
+    peak at most at ``measured_bytes`` plus the most it adds at any event; where it adds the
+    same bytes all through, that is its simulated forward and backward moved by what the graph
+    measured above or below the simulation (``measured_bytes - simulated``). Where it adds
+    more at some events than at the simulated peak, that bound can exceed the simulated peak
+    moved by a measured excess (the excess counted at the simulated peak): the lower of the
+    two is taken, which is never above what the simulation plus the excess, if any, gives.
+    The optimizer step is not in the measured step and neither shrinks nor grows with the
+    plan's activations: it stays :attr:`StepCosts.optimizer_phase_bytes`. Below
+    :func:`step_peak` where the graph measured below the simulation.
+
+    Example (the module's timeline; the measured step without the optimizer's state, the held
+    output and the optimizer step, which its simulation puts at 150):
+        >>> import dataclasses
+        >>> costs = StepCosts(100, (10, 20), output_held_bytes=5, optimizer_step_bytes=40)
+        >>> timeline = [StepEvent(False, 0, 40, 30), StepEvent(False, 1, 60, 50),
+        ...             StepEvent(True, 1, 70, 40), StepEvent(True, 0, 45, 0)]
+        >>> measured = dataclasses.replace(
+        ...     costs, persistent_bytes=60, output_held_bytes=0, optimizer_step_bytes=0)
+        >>> step_phases(timeline, costs)
+        StepPhases(backward_bytes=195, optimizer_bytes=175)
+        >>> [measured_step_peak(timeline, costs, b, measured) for b in (160, 140, 100)]
+        [205, 185, 175]
+    """
+    measured_timeline = timeline if measured_timeline is None else measured_timeline
+    if len(measured_timeline) != len(timeline):
+        raise ValueError(
+            f"the measured step's timeline has {len(measured_timeline)} events, the step's "
+            f"{len(timeline)}: not the same plan"
+        )
+    step = event_step_bytes(timeline, costs, segments)
+    simulated = event_step_bytes(measured_timeline, measured_costs, segments)
+    added = max((a - b for a, b in zip(step, simulated, strict=True)), default=0)
+    over = measured_bytes - max(simulated, default=0)
+    backward = min(measured_bytes + added, max(step, default=0) + max(0, over))
+    return StepPhases(backward, costs.optimizer_phase_bytes).peak_bytes
+
+
+def event_step_bytes(
+    timeline: Iterable[StepEvent], costs: StepCosts, segments: Sequence[tuple[int, int]] = ()
+) -> list[int]:
+    """Per event of ``timeline``, the whole step's highest bytes during it, before the optimizer
+    step (:func:`step_peak`'s terms: held bytes, checkpoint states, the gradients made so far,
+    the event's bytes with everything the costs add to them)."""
     timeline = list(timeline)
     if costs.checkpoint_state_bytes and segments:
         states = segment_state_bytes(timeline, segments, costs.checkpoint_state_bytes)
@@ -317,26 +410,25 @@ def step_peak(
     grads_of = costs.grad_bytes
     rise = costs.grad_rise_bytes or grads_of
     held = costs.held_bytes
-    peak = 0
     if costs.grads_live:
         # NOTE [ Gradients that accumulate ]: .grad already holds every gradient; a stage's
         # backward still makes its new gradients as temporaries before adding them in place
-        top = max(
-            (e.peak_bytes + (grads_of[e.index] if e.backward else 0) for e in timeline), default=0
-        )
-        peak = held + sum(grads_of) + top
-    else:
-        made = [False] * len(grads_of)
-        grads = 0
-        for e in timeline:
-            if e.backward and not made[e.index]:
-                made[e.index] = True
-                peak = max(peak, held + grads + rise[e.index] + e.peak_bytes)
-                grads += grads_of[e.index]
-                peak = max(peak, held + grads + e.live_bytes)
-                continue
-            peak = max(peak, held + grads + e.peak_bytes)
-    return max(peak, costs.optimizer_phase_bytes)
+        return [
+            held + sum(grads_of) + e.peak_bytes + (grads_of[e.index] if e.backward else 0)
+            for e in timeline
+        ]
+    out = []
+    made = [False] * len(grads_of)
+    grads = 0
+    for e in timeline:
+        if e.backward and not made[e.index]:
+            made[e.index] = True
+            during = held + grads + rise[e.index] + e.peak_bytes
+            grads += grads_of[e.index]
+            out.append(max(during, held + grads + e.live_bytes))
+            continue
+        out.append(held + grads + e.peak_bytes)
+    return out
 
 
 def _with_forward_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[StepEvent]:
@@ -380,8 +472,10 @@ def _with_loss(timeline: list[StepEvent], loss_bytes: int) -> list[StepEvent]:
 
 
 def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEvent]:
-    """``timeline`` with the uncaptured criterion (:attr:`StepCosts.criterion_peak_bytes`, one
-    event after the forward's last, at its live bytes) and the output's gradient
+    """``timeline`` with the uncaptured criterion (:attr:`StepCosts.criterion_peak_bytes`, at
+    the forward's last event, above its live bytes: the event's peak is the higher of its own
+    and that; the events stay one per operation, as :func:`measured_step_peak` pairs them) and
+    the output's gradient
     (:attr:`StepCosts.output_grad_bytes`, on every event from there through the first
     backward; after that backward it is freed) added. The forward ends at the last event before
     the first backward or the first forward of an index already run (a recomputation)."""
@@ -396,8 +490,9 @@ def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEve
         return timeline
     last = timeline[end]
     grad = costs.output_grad_bytes
-    out = timeline[: end + 1]
-    out.append(last._replace(peak_bytes=last.live_bytes + costs.criterion_peak_bytes))
+    out = timeline[:end]
+    criterion = last.live_bytes + costs.criterion_peak_bytes
+    out.append(last._replace(peak_bytes=max(last.peak_bytes, criterion)))
     after = iter(timeline[end + 1 :])
     for e in after:
         if e.backward:

@@ -536,8 +536,15 @@ class _Executor:
     # the step is not the stages measured alone: a recomputed segment's values live in the
     # backward graph until read (a GPT-2 tiny block: 8.1 MB against the 4.5 MB it saves
     # compiled alone), and the transients are the graph's. So its peak is not predicted from
-    # the chain: remat.auto measures the compiled step (allocator events) and plans again
-    # below the budget by what it measured over (remat.auto._fit_one_graph). Nested plans run
+    # the chain: remat.auto measures the compiled step (allocator events), moves the
+    # prediction of the forward and backward by what it measured above or below the chain's
+    # (remat.core.step.measured_step_peak: the optimizer step is not in the graph) and plans
+    # again below the budget by any excess (remat.auto._fit_one_graph). One graph can also
+    # hold less than the chain's least (the partitioner recomputes across stages what they
+    # saved alone): a budget the chain refuses is tried with the least-memory plans as one
+    # graph (remat.auto._StepModel.fit_below_least), and a refusal names their least too
+    # (GPT-2 124M on an H100: 5,398,799,872 B measured, the stages' least 6,631,674,904 B;
+    # an 8-block MLP on the CPU: 412,424 B against 448,856 B). Nested plans run
     # a graph per stage: in one graph the partitioner kept every activation of the outer
     # segment. The traced code is the executor without the eager memory hygiene (``del``,
     # versions, buffer copies): the compiler frees each tensor after its last use and
