@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from remat.auto import scalar_costs
 from remat.capture.graph import GraphTrace
 from remat.core.graph_plan import GraphPlan
-from remat.core.simulate import simulate_step_peak
+from remat.core.simulate import graph_step_peak
+from remat.core.step import StepCosts
 from remat.execute.graph import apply_graph
 from remat.measure.events import step_peak_bytes, unique_storage_bytes
 
@@ -15,7 +17,8 @@ def measured_and_predicted(
     model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: GraphPlan
 ) -> tuple[int, int, int]:
     """The whole step's peak counted from the allocator's events (remat.measure.events), its
-    prediction from the graph (simulate_step_peak), and the fixed bytes (parameters, buffers)
+    prediction from the graph (graph_step_peak, with the scalars the capture found:
+    remat.auto.scalar_costs), and the fixed bytes (parameters, buffers)
     both include. The step starts with no parameter gradient."""
     run = apply_graph(model, plan, trace.graph, batch, loss_fn)
 
@@ -26,5 +29,7 @@ def measured_and_predicted(
 
     measured = step_peak_bytes(one_step, model, None, batch)
     fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
-    predicted = simulate_step_peak(trace.graph, run.executed_plan, fixed, trace.param_grad_bytes)
+    device = next((p.device for p in model.parameters()), None)
+    costs = StepCosts(fixed, trace.param_grad_bytes, **scalar_costs(trace, device))
+    predicted = graph_step_peak(trace.graph, run.executed_plan, costs)
     return measured, predicted, fixed

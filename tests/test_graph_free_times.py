@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from graph_steps import measured_and_predicted
 from torch import nn
 
+from remat.bench import conformance
 from remat.capture.graph import trace_graph
 from remat.core.graph import Graph, Node
 from remat.core.graph_plan import GraphPlan
@@ -102,7 +103,8 @@ def test_the_step_peak_counts_the_held_output(setup, plan_name):
     }
     plan = plans[plan_name]()
     measured, predicted, _ = measured_and_predicted(model, x, loss_fn, trace, plan)
-    # exact up to the allocator's wrapped scalars (what StepCosts.slack_bytes covers)
+    # exact up to the allocator's wrapped scalars and the loss (StepCosts.forward_kept_bytes,
+    # op_scratch_bytes, loss_bytes: simulate_step_peak leaves them out)
     assert abs(measured - predicted) <= SCRATCH_MIN_BYTES, (plan_name, measured, predicted)
 
 
@@ -169,3 +171,35 @@ def test_held_until_in_the_simulator():
     )
     milp = plan_graph(g, "checkmate-milp", low)
     assert simulate_graph(g, milp).peak_bytes <= low
+
+
+MERGED_HELD = (
+    "the outputs of calls merged into a node (no backward saves them) that the program holds "
+    "past the node are not counted: HF BERT's dense output in h = self.dense(h); h = "
+    "self.LayerNorm(h + x), and its attention scores through the context's product. The step "
+    "checkpointing layer 0 from its key projection to its attention output's layer norm "
+    "measured 454184 B against 446008 B predicted (8176 B under; in auto: budget 450576 B "
+    "exceeded on the output-held loop). Counting them as constants (docs/results/conformance/"
+    "held-inside.patch) predicts 454200 B, but raises the graph path's named least (BERT "
+    "397252 -> 409924 B, LoRA-Llama 320252 -> 351196 B, above its chain's 327444 B): the floor "
+    "takes the MILP's least-activation plan, no longer the least whole-step one"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=MERGED_HELD)
+def test_a_merged_output_the_program_holds_is_counted():
+    # Hugging Face BERT's ``h = self.dense(h); h = self.LayerNorm(h + x)``: the dense output,
+    # merged into the sum (no backward saves it), is held by ``h`` through the layer norm's
+    # forward (MERGED_HELD)
+    built = conformance.build("hf-bert")
+    loop = conformance.Loop(built, "loss_fn")
+    trace = trace_graph(loop.module, loop.batch, loop.loss_fn, level="module")
+    graph = trace.graph
+    norm = graph.index("bert.encoder.layer.0.attention.output.LayerNorm")
+    first = graph.index("bert.encoder.layer.0.attention.self.key")
+    plan = GraphPlan.from_segments([range(first, norm + 1)])
+    measured, predicted, _ = measured_and_predicted(
+        loop.module, loop.batch, loop.loss_fn, trace, plan
+    )
+    assert measured <= predicted <= measured + 64, (measured, predicted)

@@ -77,7 +77,6 @@ def _costs(draw, n: int, input_bytes: int, scale: int) -> StepCosts:
         output_held_bytes=draw(st.integers(0, scale)),
         input_bytes=input_bytes,
         grads_live=draw(st.booleans()),
-        slack_bytes=draw(st.integers(0, 3)),
         checkpoint_state_bytes=draw(st.sampled_from([0, 1, scale // 4])),
     )
 

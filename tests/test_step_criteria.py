@@ -27,8 +27,8 @@ from remat.measure.events import AllocatorWindow
 ROWS, COLS = 256, 64
 OUT_BYTES = ROWS * COLS * 4
 SCALARS = 64
-"""The loss and the wrapped scalars of Python numbers: 4 to 20 bytes measured, counted by
-:attr:`remat.core.step.StepCosts.slack_bytes` (``SCRATCH_MIN_BYTES``) all step."""
+"""The loss and the wrapped scalars of Python numbers: 4 to 20 bytes measured, counted where
+they live by :attr:`remat.core.step.StepCosts.loss_bytes` and ``op_scratch_bytes``."""
 
 Criterion = Callable[[torch.Tensor], torch.Tensor]
 
@@ -113,7 +113,8 @@ def test_each_criterion_holds_at_most_its_entry(name: str) -> None:
         peak, grad = _measure(criterion)
         assert grad <= OUT_BYTES, name
         # beside the output-sized tensors: the loss and its wrapped scalars (a few dozen bytes,
-        # StepCosts.slack_bytes), and label smoothing's per-row sums (one float a row)
+        # StepCosts.loss_bytes, op_scratch_bytes), and label smoothing's per-row sums (one
+        # float a row)
         assert peak <= outputs * OUT_BYTES + SCALARS + ROWS * 4, (name, peak / OUT_BYTES)
         assert peak <= CRITERION_PEAK_OUTPUTS * OUT_BYTES + SCALARS, name
         peaks.append(peak)

@@ -19,7 +19,7 @@ from remat.core.plan import Plan
 from remat.core.simulate import checkpoint_spans, graph_step_peak, simulate_graph
 from remat.core.step import StepCosts, StepEvent, segment_state_bytes
 from remat.execute.chain import apply
-from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
+from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
 
 
@@ -163,8 +163,9 @@ def test_auto_graph_counts_the_rng_states_of_its_dropouts() -> None:
 
     measured = step_peak_bytes(step, planned, None, x)
     assert measured <= summary.predicted_peak_bytes <= budget
-    # exact up to the slack auto budgets for allocator-only scalars (8 B here)
-    assert summary.predicted_peak_bytes - SCRATCH_MIN_BYTES <= measured, (
+    # exact: the allocator-only scalars are counted where they live, not 1 KiB all step
+    # (predicted 1884520 B, measured 1884520 B on the dev machine)
+    assert summary.predicted_peak_bytes - 64 <= measured, (
         measured,
         summary.predicted_peak_bytes,
     )

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from remat.capture.chain import _model_arguments, capture
-from remat.capture.graph import trace_graph
+from remat.capture.graph import GraphTrace, trace_graph
 from remat.capture.stages.base import grad_parameters
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
 from remat.core.chain import Chain
@@ -72,7 +72,6 @@ from remat.guards import (
 )
 from remat.measure.calibration import planning_device, time_model_for
 from remat.measure.events import (
-    SCRATCH_MIN_BYTES,
     allocated_bytes,
     allocation_bytes,
     cuda_step_peak_bytes,
@@ -340,7 +339,6 @@ def plan_for_total_budget(
     grad_rise_bytes: Sequence[int] | None = None,
     optimizer_step_bytes: int = 0,
     output_held_bytes: int = 0,
-    slack_bytes: int = 0,
 ) -> Plan:
     """Plan ``chain`` so that the whole training step's peak fits ``budget``: the
     :class:`~remat.core.step.StepCosts` of these numbers given to
@@ -355,8 +353,7 @@ def plan_for_total_budget(
     without them every gradient is counted live all step (the safe reading).
     ``optimizer_step_bytes``: the temporaries of one optimizer step
     (:func:`remat.measure.profile.optimizer_costs`); ``output_held_bytes``: the model output the
-    training loop keeps (:mod:`remat.core.step`); ``slack_bytes``:
-    :attr:`remat.core.step.StepCosts.slack_bytes`. ``budget=None``: the plan with the least
+    training loop keeps (:mod:`remat.core.step`). ``budget=None``: the plan with the least
     activation peak whose predicted time is at most the unplanned time plus one forward.
     """
     grads = tuple(grad_bytes) if grad_bytes is not None else (0,) * chain.n
@@ -367,7 +364,6 @@ def plan_for_total_budget(
         optimizer_step_bytes=optimizer_step_bytes,
         output_held_bytes=output_held_bytes,
         input_bytes=chain.input_bytes,
-        slack_bytes=slack_bytes,
         checkpoint_state_bytes=checkpoint_state_bytes(),
     )
     return plan_for_step(chain, costs, budget, method)  # type: ignore[return-value]
@@ -409,22 +405,29 @@ def total_peak_bytes(
     return chain_step_peak(chain, plan, costs, segment_state_bytes)
 
 
-def scalar_costs(captured: Captured) -> dict[str, Any]:
+def scalar_costs(
+    captured: Captured | GraphTrace, device: torch.device | None = None
+) -> dict[str, Any]:
     """The :class:`~remat.core.step.StepCosts` fields of the small tensors a capture's stage
-    costs leave out, counted where they live: the wrapped scalars each stage's forward keeps
-    (:attr:`remat.capture.chain.Captured.forward_kept_bytes`), the allocator-only bytes below
-    1 KiB at each stage's peaks (:attr:`remat.capture.chain.Captured.small_scratch_bytes`)
-    and the loss with its gradient
-    seed (the chain's last output, :attr:`remat.core.step.StepCosts.loss_bytes`; on CUDA the
-    allocator's block each takes, :func:`remat.measure.events.allocated_bytes`)."""
+    or node costs leave out, counted where they live (chain and graph paths alike): the
+    wrapped scalars each stage's or node's forward keeps (``forward_kept_bytes``:
+    :attr:`remat.capture.chain.Captured.forward_kept_bytes`,
+    :attr:`remat.capture.graph.GraphTrace.forward_kept_bytes`), the allocator-only bytes below
+    1 KiB at its peaks (``small_scratch_bytes``) and the loss with its gradient seed
+    (``loss_bytes``, :attr:`remat.core.step.StepCosts.loss_bytes`; on CUDA ``device``'s
+    allocator block each takes, :func:`remat.measure.events.allocated_bytes`)."""
     kept = captured.forward_kept_bytes
-    device = next((p.device for m in captured.stages.modules for p in m.parameters()), None)
     small = captured.small_scratch_bytes
     return {
         "forward_kept_bytes": kept if any(kept) else (),
         "op_scratch_bytes": small if any(f or b for f, b in small) else (),
-        "loss_bytes": allocated_bytes(captured.chain.out_bytes[-1], device),
+        "loss_bytes": allocated_bytes(captured.loss_bytes, device),
     }
+
+
+def _device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first parameter (None without parameters)."""
+    return next((p.device for p in model.parameters()), None)
 
 
 def chain_step_peak(
@@ -472,7 +475,7 @@ def predicted_step_peak_bytes(
         captured.grad_rise_bytes,
         optimizer_step_bytes=step_bytes,
         output_held_bytes=output_held_bytes(loop, captured.output_bytes),
-        scalars=scalar_costs(captured),
+        scalars=scalar_costs(captured, _device(model)),
     )
 
 
@@ -546,7 +549,7 @@ def _auto_graph(
             grads_live=live,
             output_held_bytes=output_held_bytes(loop, trace.output_bytes),
             input_bytes=trace.graph.input_bytes,
-            slack_bytes=SCRATCH_MIN_BYTES,  # allocator-only bytes no capture counts
+            **scalar_costs(trace, _device(model)),
             # the graph executor's RNG states: one per random call in a checkpointed segment
             checkpoint_state_bytes=checkpoint_state_bytes(),
             checkpoint_states="per-random-call",
@@ -967,7 +970,7 @@ class _StepModel:
             grads_live=live,
             output_held_bytes=output_held_bytes(self.loop, new.output_bytes),
             input_bytes=new.chain.input_bytes,
-            **scalar_costs(new),
+            **scalar_costs(new, _device(self.model)),
             checkpoint_state_bytes=checkpoint_state_bytes(),
             **_criterion(self.loss_fn, self.batch, new, self.loop),
         )
@@ -993,7 +996,6 @@ class _StepModel:
             grads_live=False,
             criterion_peak_bytes=0,
             output_grad_bytes=0,
-            slack_bytes=0,  # (kept above what the graph measured: predicted() counts it)
         )
 
     def fit_one_graph(

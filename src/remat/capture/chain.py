@@ -75,7 +75,7 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +88,11 @@ from remat.core.chain import Chain
 from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
-    SCRATCH_MIN_BYTES,
     AllocatorWindow,
     garbage_collected,
     output_tensors,
     scratch_bytes,
+    small_scratch_bytes,
     unique_storage_bytes,
 )
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
@@ -106,6 +106,7 @@ __all__ = [
     "measure_compiled_stage",
     "measure_stage",
     "unhooked_saved",
+    "unhooked_saves",
 ]
 
 
@@ -141,6 +142,12 @@ class Captured:
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
     them, a checkpointed one too, until its backward (:attr:`remat.core.step.StepCosts.
     forward_kept_bytes`); not in ``saved_bytes``. Empty when unknown."""
+
+    @property
+    def loss_bytes(self) -> int:
+        """Bytes of the loss tensor, the last stage's output
+        (:attr:`remat.core.step.StepCosts.loss_bytes`)."""
+        return self.chain.out_bytes[-1]
 
 
 @dataclass(frozen=True)
@@ -619,7 +626,7 @@ def measure_stage(
             out = run(_entered(x))
         fwd_tracked = tracker.window_peak - base
         fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
-        fwd_small = _small_scratch(_peak(fwd_alloc), fwd_tracked)
+        fwd_small = small_scratch_bytes(_peak(fwd_alloc), fwd_tracked)
         out_tensors = _tensors(out)
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
@@ -640,7 +647,9 @@ def measure_stage(
                 seed.backward(seed_grad)
         # scratch memory only the allocator saw (it counts parameter gradients too)
         scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
-        bwd_small = _small_scratch(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
+        bwd_small = small_scratch_bytes(
+            _peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd
+        )
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
@@ -799,11 +808,27 @@ def _timed_runs(
 
 
 def unhooked_saved(
-    outputs: Iterable[torch.Tensor], known: Mapping[int, int], device: torch.device | None
+    outputs: Iterable[torch.Tensor],
+    known: Mapping[int, int] | set[int],
+    device: torch.device | None,
 ) -> dict[int, int]:
     """Storages (``_cdata`` key: bytes) on ``device`` that the autograd graph behind
     ``outputs`` saves for its backward and that are not in ``known``: the tensors autograd
-    saves without calling ``saved_tensors_hooks``.
+    saves without calling ``saved_tensors_hooks`` (:func:`unhooked_saves`, NOTE [ Saved
+    wrapped scalars ])."""
+    return {key: nbytes for _, key, nbytes in unhooked_saves(outputs, known, device)}
+
+
+def unhooked_saves(
+    outputs: Iterable[torch.Tensor],
+    known: Mapping[int, int] | set[int],
+    device: torch.device | None,
+) -> Iterator[tuple[Any, int, int]]:
+    """``(autograd function, storage key, bytes)`` for each storage on ``device`` that the
+    autograd graph behind ``outputs`` saves for its backward and that is not in ``known``
+    (``_cdata`` keys), each storage once, at the first function found saving it: the tensors
+    autograd saves without calling ``saved_tensors_hooks``. The chain capture sums them per
+    stage (:func:`unhooked_saved`), the graph capture per node (by the function's call).
 
     NOTE [ Saved wrapped scalars ]: a Python number an operation takes (``0.5 * x``,
     ``x.pow(3.0)``'s sibling ``0.044715 * x``) becomes a *wrapped number*, a 0-dim double
@@ -814,7 +839,7 @@ def unhooked_saved(
     (``NewGELUActivation``), 24 bytes per block, the bytes by which every-block checkpointing
     measured above the whole-step prediction (hf-gpt2: 679,660 B measured, 679,632 B
     predicted without them). On CUDA they stay on the CPU (not on ``device``: not counted)."""
-    found: dict[int, int] = {}
+    found: set[int] = set()
     seen: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -834,9 +859,9 @@ def unhooked_saved(
                 if not isinstance(t, torch.Tensor) or (device is not None and t.device != device):
                     continue
                 storage = t.untyped_storage()
-                if storage._cdata not in known:
-                    found[storage._cdata] = storage.nbytes()
-    return found
+                if storage._cdata not in known and storage._cdata not in found:
+                    found.add(storage._cdata)
+                    yield node, storage._cdata, storage.nbytes()
 
 
 def _identity(t: Any) -> Any:
@@ -902,13 +927,6 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
         )
 
     return AllocatorWindow(device), AllocatorWindow(device)
-
-
-def _small_scratch(allocator_peak: int, tracked_peak: int) -> int:
-    """The allocator's peak above the tracked one when it is below
-    :data:`remat.measure.events.SCRATCH_MIN_BYTES` (above it, it is in the overheads), else 0."""
-    extra = allocator_peak - tracked_peak
-    return extra if 0 < extra < SCRATCH_MIN_BYTES and allocator_peak > 0 else 0
 
 
 def _peak(window: Any) -> int:

@@ -107,6 +107,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.capture.chain import unhooked_saves
 from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.measure.calibration import TimeModel, WorkCounter
@@ -115,6 +116,7 @@ from remat.measure.events import (
     garbage_collected,
     output_tensors,
     scratch_bytes,
+    small_scratch_bytes,
 )
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 
@@ -208,6 +210,19 @@ class GraphTrace:
     output_has_loss: bool = field(default=False)
     """The output has its own ``.loss`` tensor: the loss captured is the loop's
     (:attr:`remat.capture.chain.Captured.output_has_loss`)."""
+    loss_bytes: int = field(default=0)
+    """Bytes of the loss tensor (:attr:`remat.core.step.StepCosts.loss_bytes`)."""
+    forward_kept_bytes: tuple[int, ...] = field(default=())
+    """Per node, the wrapped scalars its forward saves without the saved-tensor hooks
+    (:func:`remat.capture.chain.unhooked_saves`, NOTE [ Saved wrapped scalars ]), kept from
+    every forward of it to its backward (:attr:`remat.core.step.StepCosts.
+    forward_kept_bytes`); not in ``saved_bytes``. Empty when not measured (``costs=False``)."""
+    small_scratch_bytes: tuple[tuple[int, int], ...] = field(default=())
+    """Per node, ``(forward, backward)``: what the allocator saw above the tracked tensors at
+    the node's peaks when it is below :data:`remat.measure.events.SCRATCH_MIN_BYTES` (left out
+    of the overheads: :func:`remat.measure.events.small_scratch_bytes`), as
+    :attr:`remat.core.step.StepCosts.op_scratch_bytes` reads it. Empty when not measured
+    (fake tensors, ``costs=False``)."""
 
 
 def capture_graph(
@@ -352,6 +367,9 @@ class _State:
     allocator: _Allocator | None = None
     grad_fns: dict[Any, int] = field(default_factory=dict)
     loss_key: int = -1
+    loss_bytes: int = 0
+    packed: set[int] = field(default_factory=set)  # storages (_cdata) the pack hook saw
+    kept_scalars: dict[int, int] = field(default_factory=dict)  # call -> unhooked saved bytes
     real_saved: dict[int, int] = field(default_factory=dict)
     stray_saves: int = 0
     dispatching: int = 0  # > 0 inside _RandomWatch's __torch_dispatch__
@@ -645,6 +663,7 @@ def _record(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(st, t)
+        st.packed.add(t.untyped_storage()._cdata)
         if key not in st.fixed and key not in st.batch_keys:
             st.real_saved[key] = _nbytes(t)
         if st.current is None:
@@ -720,13 +739,27 @@ def _record(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         st.loss_key = _key(st, loss)
+        st.loss_bytes = _nbytes(loss)
         if costs and loss.requires_grad:
+            _kept_scalars(st, loss, _device_of(model, batch))
             _backward_costs(st, loss, counter)
         del loss
     for finalizer in st.finalizers:  # still alive: held to the end of the step
         finalizer.detach()
     st.finalizers.clear()
     return st
+
+
+def _kept_scalars(st: _State, loss: torch.Tensor, device: torch.device) -> None:
+    """Per call, the bytes its autograd functions save without the saved-tensor hooks (NOTE
+    [ Saved wrapped scalars ] in :mod:`remat.capture.chain`): ``st.kept_scalars``."""
+    known = set(st.packed)
+    known.update(t.untyped_storage()._cdata for t in (*st.root.parameters(), *st.root.buffers()))
+    with torch._C.DisableTorchFunction():
+        for fn, _, nbytes in unhooked_saves([loss], known, device):
+            call = st.grad_fns.get(fn)
+            if call is not None:
+                st.kept_scalars[call] = st.kept_scalars.get(call, 0) + nbytes
 
 
 def _backward_costs(st: _State, loss: torch.Tensor, counter: Any) -> None:
@@ -1042,8 +1075,13 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         v = call_node[c]
         call_node[c] = index.get(roots[v]) if v is not None else None
     graph_nodes, node_calls = _graph_nodes(st, level, nodes, outs, roots, index)
+    small: tuple[tuple[int, int], ...] = ()
     if st.memory is not None:
-        graph_nodes = _overheads(st, graph_nodes, call_node)
+        graph_nodes, small = _overheads(st, graph_nodes, call_node)
+    kept = [0] * len(graph_nodes)
+    for c, nbytes in st.kept_scalars.items():
+        if call_node[c] is not None:
+            kept[call_node[c]] += nbytes
     param_grads = _param_grad_bytes(st, call_node, len(graph_nodes))
     own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
     random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
@@ -1106,6 +1144,9 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         output_bytes=st.output_bytes,
         largest_output_bytes=st.largest_output_bytes,
         output_has_loss=st.output_has_loss,
+        loss_bytes=st.loss_bytes,
+        forward_kept_bytes=tuple(kept) if st.kept_scalars else (),
+        small_scratch_bytes=small if st.allocator is not None else (),
     )
 
 
@@ -1416,8 +1457,12 @@ def _constants(
     return tuple(out)
 
 
-def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[Node]:
-    """Transient bytes per node, in the simulator's terms (docs/cost-model.md).
+def _overheads(
+    st: _State, nodes: list[Node], call_node: list[int | None]
+) -> tuple[list[Node], tuple[tuple[int, int], ...]]:
+    """Transient bytes per node, in the simulator's terms (docs/cost-model.md), and per node
+    what the allocator-only bytes below 1 KiB add to them (``(forward, backward)``:
+    :attr:`GraphTrace.small_scratch_bytes`).
 
     Forward: walking the node's calls, ``grown`` is what they hold so far (frees between two
     of its calls counted when no other node ran in between); the node's peak is the highest
@@ -1432,14 +1477,17 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
     value = memory.peak
     allocator = st.allocator
 
-    def scratch(span: int, first: int, last: int) -> int:
-        """What only the allocator saw inside one call / autograd function (kernel scratch)."""
+    def scratch(span: int, first: int, last: int) -> tuple[int, int]:
+        """What only the allocator saw inside one call / autograd function (kernel scratch),
+        and the part of it below 1 KiB that this leaves out."""
         if allocator is None:
-            return 0
-        return scratch_bytes(allocator.rise(span), memory.rise_with_grads(first, last))
+            return 0, 0
+        rise, tracked = allocator.rise(span), memory.rise_with_grads(first, last)
+        return scratch_bytes(rise, tracked), small_scratch_bytes(rise, tracked)
 
     n = len(nodes)
     fwd_peak = [0] * n
+    fwd_small = [0] * n  # the peak with the small scratch
     grown = [0] * n
     last_end: list[int | None] = [None] * n
     owner_of_last = None
@@ -1450,11 +1498,14 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
         start, end = rec.mem
         if last_end[v] is not None and owner_of_last == v:
             grown[v] += value(start, start) - value(last_end[v], last_end[v])
-        excess = value(start, end) - value(start, start) + scratch(rec.span, start, end)
+        big, little = scratch(rec.span, start, end)
+        excess = value(start, end) - value(start, start) + big
         fwd_peak[v] = max(fwd_peak[v], grown[v] + excess)
+        fwd_small[v] = max(fwd_small[v], grown[v] + excess + little)
         grown[v] += value(end, end) - value(start, start)
         last_end[v], owner_of_last = end, v
     bwd_peak = [0] * n
+    bwd_small = [0] * n
     grown = [0] * n
     last_end = [None] * n
     owner_of_last = None
@@ -1464,8 +1515,10 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
             continue
         if last_end[v] is not None and owner_of_last == v:
             grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
-        excess = value(pre, post) - value(pre, pre) + scratch(span, pre, post)
+        big, little = scratch(span, pre, post)
+        excess = value(pre, post) - value(pre, pre) + big
         bwd_peak[v] = max(bwd_peak[v], grown[v] + excess)
+        bwd_small[v] = max(bwd_small[v], grown[v] + excess + little)
         grown[v] += value(post, post) - value(pre, pre)
         last_end[v], owner_of_last = post, v
     last_reader = [-1] * n
@@ -1473,13 +1526,17 @@ def _overheads(st: _State, nodes: list[Node], call_node: list[int | None]) -> li
         for u in node.inputs:
             last_reader[u] = max(last_reader[u], v)
     out = []
+    small = []
     for v, node in enumerate(nodes):
         new_grads = sum(nodes[u].out_bytes for u in node.inputs if last_reader[u] == v)
-        out.append(
-            replace(
-                node,
-                fwd_overhead_bytes=max(0, fwd_peak[v] - node.saved_bytes),
-                bwd_overhead_bytes=max(0, bwd_peak[v] - new_grads),
+        fwd = max(0, fwd_peak[v] - node.saved_bytes)
+        bwd = max(0, bwd_peak[v] - new_grads)
+        out.append(replace(node, fwd_overhead_bytes=fwd, bwd_overhead_bytes=bwd))
+        # in the simulator's terms too: what the small scratch adds to each overhead
+        small.append(
+            (
+                max(0, fwd_small[v] - node.saved_bytes) - fwd,
+                max(0, bwd_small[v] - new_grads) - bwd,
             )
         )
-    return out
+    return out, tuple(small)

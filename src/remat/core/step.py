@@ -182,16 +182,12 @@ class StepCosts:
     """The batch as the simulator counts it (live at the optimizer step too)."""
     grads_live: bool = False
     """True when every parameter gradient is live from the step's start (accumulation)."""
-    slack_bytes: int = 0
-    """Bytes counted all step beside the rest for what a capture cannot see (the graph path's
-    allocator-only scalars: :data:`remat.measure.events.SCRATCH_MIN_BYTES`); the chain path
-    counts them where they live instead (:attr:`forward_kept_bytes`, :attr:`op_scratch_bytes`,
-    :attr:`loss_bytes`): 0."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage (0-based) or node, bytes that every forward of it keeps until its backward,
     whether the forward stores its activations or runs inside a checkpoint: the wrapped
     scalars autograd saves without the saved-tensor hooks (NOTE [ Saved wrapped scalars ] in
-    :mod:`remat.capture.chain`; 24 B per GPT-2 block). :func:`step_peak` counts them from the
+    :mod:`remat.capture.chain`; 24 B per GPT-2 block; per node:
+    :attr:`remat.capture.graph.GraphTrace.forward_kept_bytes`). :func:`step_peak` counts them from the
     first forward through the backward's peak, and once more on each recomputation, until the
     next backward (the recomputed graph that holds them dies with the recomputation). Empty:
     none."""
@@ -200,7 +196,8 @@ class StepCosts:
     forward's and backward's peaks had beside the tracked tensors when captured on real tensors
     (a kernel's small workspace: layer norm's backward, 512 B; the scalars of Python numbers),
     which the stage costs leave out so that real and fake captures agree
-    (:attr:`remat.capture.chain.StageCost.small_scratch_bytes`). :func:`step_peak` adds them to
+    (:attr:`remat.capture.chain.StageCost.small_scratch_bytes`; per node:
+    :attr:`remat.capture.graph.GraphTrace.small_scratch_bytes`). :func:`step_peak` adds them to
     the peak of each forward (recomputations too) and backward event of that index. Empty:
     none."""
     loss_bytes: int = 0
@@ -274,8 +271,8 @@ class StepCosts:
 
     @property
     def held_bytes(self) -> int:
-        """Live all step whatever the plan: persistent state, the held output and the slack."""
-        return self.persistent_bytes + self.output_held_bytes + self.slack_bytes
+        """Live all step whatever the plan: persistent state and the held output."""
+        return self.persistent_bytes + self.output_held_bytes
 
     @property
     def fixed_bytes(self) -> int:

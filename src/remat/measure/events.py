@@ -38,6 +38,7 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "allocated_bytes",
     "scratch_bytes",
+    "small_scratch_bytes",
     "unique_storage_bytes",
     "allocation_bytes",
     "expandable_segments",
@@ -304,6 +305,16 @@ def scratch_bytes(allocator_peak: int, tracked_peak: int) -> int:
     memory), 0 below :data:`SCRATCH_MIN_BYTES`."""
     extra = allocator_peak - tracked_peak
     return extra if extra >= SCRATCH_MIN_BYTES else 0
+
+
+def small_scratch_bytes(allocator_peak: int, tracked_peak: int) -> int:
+    """The rest of it: what the allocator saw above the tracker's peak when it is below
+    :data:`SCRATCH_MIN_BYTES` (left out of a capture's overheads, so that real and fake
+    captures agree, and counted at its own stage or node instead:
+    :attr:`remat.core.step.StepCosts.op_scratch_bytes`), else 0; 0 when the allocator saw
+    nothing (``allocator_peak`` 0: no window)."""
+    extra = allocator_peak - tracked_peak
+    return extra if 0 < extra < SCRATCH_MIN_BYTES and allocator_peak > 0 else 0
 
 
 def _running_peak(prof: Any) -> int:
