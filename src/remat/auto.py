@@ -908,33 +908,7 @@ def auto(
         planned = planned or build(chosen)
     else:
         planned = build(chosen)
-    none = simulate(chain, Plan.none(chain))
-    sim = simulate(chain, chosen)
-    summary = AutoSummary.of(
-        method,
-        chosen,
-        chain,
-        total,
-        fixed,
-        sim,
-        none,
-        step_peak_of(chain, chosen, step.costs(captured)),
-        step.unplanned_peak(captured),
-        loop=loop,
-        output_held_bytes=step.costs(captured).output_held_bytes,
-        fake=bool(capture_options),
-        criterion_bytes=step.costs(captured).criterion_peak_bytes,
-    )
-    if fit is not None:
-        summary = dataclasses.replace(
-            summary,
-            method=chosen.method if fit.one_graph else method,
-            predicted_peak_bytes=fit.predicted,
-            compiled="one-graph" if fit.one_graph else "per-stage",
-            one_graph_over_bytes=fit.over,
-            compiled_note=fit.note,
-        )
-    return planned, summary
+    return planned, step.summary(captured, chosen, total, fit, fake=bool(capture_options))
 
 
 @dataclass
@@ -996,6 +970,43 @@ class _StepModel:
             grads_live=False,
             criterion_peak_bytes=0,
             output_grad_bytes=0,
+        )
+
+    def summary(
+        self,
+        captured: Captured,
+        chosen: Plan,
+        total: int | None,
+        fit: _OneGraphFit | None,
+        fake: bool,
+    ) -> AutoSummary:
+        """What :func:`auto` planned for ``captured``: ``chosen`` under the whole-step budget
+        ``total``, run compiled as ``fit`` says (None: not compiled)."""
+        chain, costs = captured.chain, self.costs(captured)
+        summary = AutoSummary.of(
+            self.method,
+            chosen,
+            chain,
+            total,
+            self.fixed,
+            simulate(chain, chosen),
+            simulate(chain, Plan.none(chain)),
+            step_peak_of(chain, chosen, costs),
+            self.unplanned_peak(captured),
+            loop=self.loop,
+            output_held_bytes=costs.output_held_bytes,
+            fake=fake,
+            criterion_bytes=costs.criterion_peak_bytes,
+        )
+        if fit is None:
+            return summary
+        return dataclasses.replace(
+            summary,
+            method=chosen.method if fit.one_graph else self.method,
+            predicted_peak_bytes=fit.predicted,
+            compiled="one-graph" if fit.one_graph else "per-stage",
+            one_graph_over_bytes=fit.over,
+            compiled_note=fit.note,
         )
 
     def fit_one_graph(
