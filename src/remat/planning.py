@@ -389,16 +389,13 @@ class _Space:
 
     def graph_least(self) -> AnyPlan | None:
         """A graph planner's plan at the least activation peak it names, chosen on unit times
-        (the fewest recomputations, as :func:`_unit_time_least_plan` for a chain: among the
+        (:func:`_on_unit_times`, as :func:`unit_time_least_plan` for a chain: among the
         plans at that peak, which one the measured times pick moved the whole step's least by
         12 KB between two captures of T5 with equal bytes), stamped with the graph's simulated
         cost; None when it names none it can meet."""
         if not hasattr(self, "_graph_least"):
             graph: Graph = self.structure  # type: ignore[assignment]
-            unit = replace(
-                graph,
-                nodes=tuple(replace(n, fwd_time=1.0, bwd_time=1.0) for n in graph.nodes),
-            )
+            unit = _on_unit_times(graph)
             found: AnyPlan | None = None
             try:
                 found = plan_graph(unit, self.method, 1)
@@ -508,11 +505,20 @@ def _bisect(good: int, bad: int, test: Callable[[int], bool]) -> None:
             bad = mid
 
 
+def _on_unit_times(structure: Structure) -> Any:
+    """``structure`` (a chain or a graph) with every forward and backward time 1: what a least
+    plan is chosen on, so that timing noise does not move it (the fewest recomputations)."""
+    if isinstance(structure, Chain):
+        return replace(structure, fwd_time=(1.0,) * structure.n, bwd_time=(1.0,) * structure.n)
+    nodes = tuple(replace(n, fwd_time=1.0, bwd_time=1.0) for n in structure.nodes)
+    return replace(structure, nodes=nodes)
+
+
 def unit_time_least_plan(chain: Chain, method: str) -> Plan:
     """``method``'s least-activation plan chosen on unit times (the fewest recomputations),
     stamped with ``chain``'s simulated cost: it, and the minimum a budget search names, do not
     move with timing noise."""
-    unit = replace(chain, fwd_time=(1.0,) * chain.n, bwd_time=(1.0,) * chain.n)
+    unit = _on_unit_times(chain)
     least = plan_chain(unit, method, least_peak(unit, method))
     least = replace(least, chain_fingerprint=None, stages_fingerprint=None).for_chain(chain)
     params = {**least.params, "least_memory": True}

@@ -1100,20 +1100,18 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     unsaved_constants = grouping.constants - grouping.saved_constants.keys()
     # a saved constant lives until the backwards that save it (Constant.saved_by); one saved
     # by a dropped node or made before the recorded calls is counted all step, with the batch
-    savers = {k: {index.get(roots[u]) for u in us} for k, us in grouping.constant_savers.items()}
-    timed = {k for k, vs in savers.items() if None not in vs and k in st.born}
+    savers = {k: [index.get(roots[u]) for u in us] for k, us in grouping.constant_savers.items()}
+    timed = {
+        k: {v for v in vs if v is not None}
+        for k, vs in savers.items()
+        if None not in vs and k in st.born
+    }
     graph = Graph(
         tuple(graph_nodes),
         input_bytes=batch_bytes
         + sum(b for k, b in grouping.saved_constants.items() if k not in timed),
         time_unit=time_unit,
-        constants=_constants(
-            st,
-            unsaved_constants | timed,
-            node_calls,
-            call_node,
-            {k: savers[k] for k in timed},  # type: ignore[misc]
-        ),
+        constants=_constants(st, unsaved_constants | timed.keys(), node_calls, call_node, timed),
     )
     infos = tuple(
         CallInfo(
