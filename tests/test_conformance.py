@@ -102,7 +102,9 @@ def test_auto_trains_the_model_within_the_budget_with_eager_gradients(
 
 # Below the generic blocks chain's least peak, auto plans the module graph (it reaches lower:
 # Qwen2 at 10% of eager, 0.650 on the graph path, 0.774 as a chain). LoRA-Llama at the least
-# peak auto names (its graph path's, 321168 B, below the chain's 327444 B; measured 311496 B).
+# peak auto names (its graph path's, 320200 B, below the chain's 326472 B; measured 312008 B;
+# the rotary temporaries the program holds, counted through the attention node's first call,
+# once put it at 326472 B on the chain).
 # Its frozen prefix (embeddings, the frozen projections the adapters' sums read, the causal
 # mask) makes tensors without gradient that the capture once left out unless a backward saved
 # them: measured 337352 B at a 311138 B budget, predicted 310164 B; they are Graph.constants

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -294,6 +295,25 @@ def test_checkmate_lp_rounding() -> None:
         assert exact.predicted_time is not None and approx.predicted_time is not None
         assert approx.params["lp_bound"] <= exact.predicted_time + 1e-9
         assert exact.predicted_time <= approx.predicted_time + 1e-9
+
+
+def test_checkmate_milp_accepts_the_least_it_names_where_its_model_prices_above_the_simulator():
+    # Hugging Face BERT's graph (tests/data), with a constant (the dense output the program
+    # holds through the layer norm, Constant via capture.graph._held_inside) read by nodes a
+    # plan recomputes: the MILP counts such a constant as an upper bound, so it prices its own
+    # least-peak plan 256 B above the simulator (156944 against 156688 B) and was infeasible at
+    # the 156688 B it named as the minimum; the graph path's floor then lost its MILP plan
+    data = Path(__file__).parent / "data" / "bert_graph_held_inside.json"
+    g = Graph.from_json(data.read_text())
+    with pytest.raises(BudgetTooSmallError) as refused:
+        plan_graph(g, "checkmate-milp", 1)
+    least = refused.value.minimum_bytes
+    plan = plan_graph(g, "checkmate-milp", least)
+    assert simulate_graph(g, plan).peak_bytes == least
+    assert plan.params["least_peak"]  # the MILP itself is infeasible there
+    with pytest.raises(BudgetTooSmallError) as below:
+        plan_graph(g, "checkmate-milp", least - 1)
+    assert below.value.minimum_bytes == least
 
 
 def test_checkmate_options_and_defaults() -> None:

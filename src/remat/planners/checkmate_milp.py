@@ -819,24 +819,39 @@ def backward_floor(graph: Graph) -> tuple[int, int | None]:
     return best
 
 
-def _minimum_peak(model: _Model, time_limit_s: float) -> tuple[int | None, str]:
-    """The least simulated peak over the MILP's plans (or the best found in the time)."""
-    sol = model.solve(None, integral=True, time_limit_s=time_limit_s)
+def _least_plan(graph: Graph, config: MilpConfig) -> tuple[GraphPlan | None, str]:
+    """The MILP's plan of least peak (or the best found in the time), and the solver status.
+    Its peak is the simulator's: the MILP counts a constant read by recomputed nodes as an
+    upper bound, so it may price this plan a little above what the simulator names."""
+    model = _model(graph, config.encoding)
+    sol = model.solve(None, integral=True, time_limit_s=config.time_limit_s)
     if sol["x"] is None:
         return None, sol["status"]
-    plan = GraphPlan(model.segments(sol["x"]))
-    return simulate_graph(model.graph, plan).peak_bytes, sol["status"]
+    return GraphPlan(model.segments(sol["x"])), sol["status"]
+
+
+def _too_small(graph: Graph, budget: int, config: MilpConfig, why: str, fallback: int) -> GraphPlan:
+    """The MILP's least plan when it meets ``budget`` in simulation (the budget the error
+    names is then accepted, even where the MILP's own model prices that plan above it);
+    otherwise :class:`BudgetTooSmallError` naming its simulated peak."""
+    least, status = _least_plan(graph, config)
+    peak = simulate_graph(graph, least).peak_bytes if least is not None else None
+    if least is not None and peak is not None and peak <= budget:
+        params = {"status": status, "least_peak": True, "time_limit_s": config.time_limit_s}
+        return GraphPlan(least.segments, method="checkmate-milp", params=params)
+    raise BudgetTooSmallError(
+        budget,
+        peak if peak is not None else fallback,
+        "checkmate-milp",
+        why + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
+    )
 
 
 def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
-    if budget < backward_floor(graph)[0]:
-        minimum, status = _minimum_peak(_model(graph, config.encoding), config.time_limit_s)
-        raise BudgetTooSmallError(
-            budget,
-            minimum if minimum is not None else backward_floor(graph)[0],
-            "checkmate-milp",
-            "below what the loss or some backward needs"
-            + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
+    floor = backward_floor(graph)[0]
+    if budget < floor:
+        return _too_small(
+            graph, budget, config, "below what the loss or some backward needs", floor
         )
     model = _model(graph, config.encoding, budget if config.strengthen else None)
     target = budget
@@ -845,14 +860,7 @@ def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
             target, integral=True, time_limit_s=config.time_limit_s, mip_rel_gap=config.mip_rel_gap
         )
         if sol["status"] == "infeasible":
-            minimum, status = _minimum_peak(_model(graph, config.encoding), config.time_limit_s)
-            raise BudgetTooSmallError(
-                budget,
-                minimum if minimum is not None else budget + 1,
-                "checkmate-milp",
-                "no flat run-segment plan fits"
-                + ("" if status == "optimal" else f"; minimum search stopped: {status}"),
-            )
+            return _too_small(graph, budget, config, "no flat run-segment plan fits", budget + 1)
         if sol["x"] is None:
             raise PlannerTimeoutError(
                 f"checkmate-milp found no plan within time_limit_s={config.time_limit_s} "
