@@ -30,6 +30,8 @@ def measured_and_predicted(
     measured = step_peak_bytes(one_step, model, None, batch)
     fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
     device = next((p.device for p in model.parameters()), None)
-    costs = StepCosts(fixed, trace.param_grad_bytes, **scalar_costs(trace, device))
+    costs = StepCosts(
+        fixed, trace.param_grad_bytes, trace.grad_rise_bytes, **scalar_costs(trace, device)
+    )
     predicted = graph_step_peak(trace.graph, run.executed_plan, costs)
     return measured, predicted, fixed

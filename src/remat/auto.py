@@ -545,6 +545,7 @@ def _auto_graph(
         return StepCosts(
             persistent_bytes=fixed_now - sum(grads),
             grad_bytes=tuple(grads),
+            grad_rise_bytes=trace.grad_rise_bytes,
             optimizer_step_bytes=step_now,
             grads_live=live,
             output_held_bytes=output_held_bytes(loop, trace.output_bytes),

@@ -201,6 +201,15 @@ class GraphTrace:
     (a parameter's gradient is made by the backward of the last node that reads it, and lives
     to the end of the step): :func:`remat.core.simulate.simulate_step_peak` adds them to
     predict the whole step's peak."""
+    grad_rise_bytes: tuple[int, ...] = field(default=())
+    """Per node, how much the parameter gradients raise its backward's peak above what the
+    simulator counts for it (the input gradients it makes and ``bwd_overhead_bytes``): 0 when
+    they appear after that peak (a linear layer's weight gradient, made once its input
+    gradient is), at most about ``param_grad_bytes`` when they are all live at it. The
+    whole-step model counts it during the node's backward in place of ``param_grad_bytes``
+    (:attr:`remat.core.step.StepCosts.grad_rise_bytes`; the chain's:
+    :attr:`remat.capture.chain.Captured.grad_rise_bytes`). Empty when not measured
+    (``costs=False``): all of them are counted from the backward's start."""
     output_bytes: int = field(default=0)
     """Unique bytes of what the model's forward returned (parameters, buffers and the batch
     excluded): what a training loop that holds the output keeps through the step
@@ -814,6 +823,10 @@ class _Memory:
         """Highest corrected sample in ``[first, last]``."""
         return int(self.tracker._corrected_max(first, last + 1, phases_only=False))
 
+    def peak_with_grads(self, first: int, last: int) -> int:
+        """Highest sample in ``[first, last]``, parameter gradients included."""
+        return max(self.tracker._with_grads[first : last + 1], default=0)
+
     def rise_with_grads(self, first: int, last: int) -> int:
         """Highest sample in ``[first, last]`` above sample ``first``, parameter gradients
         included (what the allocator also counts)."""
@@ -1084,6 +1097,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         if call_node[c] is not None:
             kept[call_node[c]] += nbytes
     param_grads = _param_grad_bytes(st, call_node, len(graph_nodes))
+    rise = _grad_rise_bytes(st, graph_nodes, call_node) if st.memory is not None else []
     own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
     random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
     for rec in calls:
@@ -1145,6 +1159,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         saved_constant_bytes=const_bytes,
         real_saved_bytes=sum(st.real_saved.values()),
         param_grad_bytes=tuple(param_grads),
+        grad_rise_bytes=tuple(rise),
         output_bytes=st.output_bytes,
         largest_output_bytes=st.largest_output_bytes,
         output_has_loss=st.output_has_loss,
@@ -1385,6 +1400,76 @@ def _param_grad_bytes(st: _State, call_node: list[int | None], n: int) -> list[i
     return param_grads
 
 
+def _grad_rise_bytes(st: _State, nodes: list[Node], call_node: list[int | None]) -> list[int]:
+    """Per node (``nodes`` with their overheads), how much the parameter gradients raise its
+    backward's peak above what the simulator counts for that backward (the input gradients it
+    makes and ``bwd_overhead_bytes``): the backward's walk (:func:`_backward_peaks`) over the
+    samples with the parameter gradients, minus that. A weight gradient made after the
+    backward's peak (a linear layer's, after its input gradient and once the output gradient
+    is freed) raises it by nothing; every gradient made before it, by its bytes
+    (:attr:`GraphTrace.grad_rise_bytes`; :attr:`remat.capture.chain.StageCost.grad_rise_bytes`
+    on the chain path)."""
+    memory = st.memory
+    assert memory is not None
+    with_grads, _ = _backward_peaks(st, call_node, len(nodes), memory.peak_with_grads)
+    new_grads = _new_input_grads(nodes)
+    return [
+        max(0, peak - new_grads[v] - node.bwd_overhead_bytes)
+        for v, (node, peak) in enumerate(zip(nodes, with_grads, strict=True))
+    ]
+
+
+def _backward_peaks(
+    st: _State, call_node: list[int | None], n: int, value: Callable[[int, int], int]
+) -> tuple[list[int], list[int]]:
+    """Per node, the highest bytes its backward holds above what was live when its first
+    autograd function started, walking its autograd functions in the order the engine ran
+    them (``grown``: what they hold so far, frees between two of them counted when no other
+    node's ran in between) with the kernel scratch only the allocator saw; and the same with
+    the allocator-only bytes below 1 KiB. ``value(first, last)`` is the highest tracked sample
+    in ``[first, last]`` (:class:`_Memory`: without or with the parameter gradients)."""
+    peak = [0] * n
+    small = [0] * n
+    grown = [0] * n
+    last_end: list[int | None] = [None] * n
+    owner_of_last = None
+    for index, pre, post, span in st.backward:
+        v = call_node[index]
+        if v is None or pre < 0:
+            continue
+        if last_end[v] is not None and owner_of_last == v:
+            grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
+        big, little = _scratch(st, span, pre, post)
+        excess = value(pre, post) - value(pre, pre) + big
+        peak[v] = max(peak[v], grown[v] + excess)
+        small[v] = max(small[v], grown[v] + excess + little)
+        grown[v] += value(post, post) - value(pre, pre)
+        last_end[v], owner_of_last = post, v
+    return peak, small
+
+
+def _new_input_grads(nodes: list[Node]) -> list[int]:
+    """Per node, the input gradients the simulator allocates at its backward: those of the
+    inputs whose last reader, in node order, is this node."""
+    last_reader = [-1] * len(nodes)
+    for v, node in enumerate(nodes):
+        for u in node.inputs:
+            last_reader[u] = max(last_reader[u], v)
+    return [
+        sum(nodes[u].out_bytes for u in node.inputs if last_reader[u] == v)
+        for v, node in enumerate(nodes)
+    ]
+
+
+def _scratch(st: _State, span: int, first: int, last: int) -> tuple[int, int]:
+    """What only the allocator saw inside one call / autograd function (kernel scratch), and
+    the part of it below 1 KiB that this leaves out (0, 0 without the allocator's events)."""
+    if st.allocator is None or st.memory is None:
+        return 0, 0
+    rise, tracked = st.allocator.rise(span), st.memory.rise_with_grads(first, last)
+    return scratch_bytes(rise, tracked), small_scratch_bytes(rise, tracked)
+
+
 def _held_until(
     st: _State,
     out_keys: list[list[int]],
@@ -1557,31 +1642,12 @@ def _overheads(
         fwd_small[v] = max(fwd_small[v], grown[v] + excess + little)
         grown[v] += value(end, end) - value(start, start)
         last_end[v], owner_of_last = end, v
-    bwd_peak = [0] * n
-    bwd_small = [0] * n
-    grown = [0] * n
-    last_end = [None] * n
-    owner_of_last = None
-    for index, pre, post, span in st.backward:
-        v = call_node[index]
-        if v is None or pre < 0:
-            continue
-        if last_end[v] is not None and owner_of_last == v:
-            grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
-        big, little = scratch(span, pre, post)
-        excess = value(pre, post) - value(pre, pre) + big
-        bwd_peak[v] = max(bwd_peak[v], grown[v] + excess)
-        bwd_small[v] = max(bwd_small[v], grown[v] + excess + little)
-        grown[v] += value(post, post) - value(pre, pre)
-        last_end[v], owner_of_last = post, v
-    last_reader = [-1] * n
-    for v, node in enumerate(nodes):
-        for u in node.inputs:
-            last_reader[u] = max(last_reader[u], v)
+    bwd_peak, bwd_small = _backward_peaks(st, call_node, n, value)
+    input_grads = _new_input_grads(nodes)
     out = []
     small = []
     for v, node in enumerate(nodes):
-        new_grads = sum(nodes[u].out_bytes for u in node.inputs if last_reader[u] == v)
+        new_grads = input_grads[v]
         fwd = max(0, fwd_peak[v] - node.saved_bytes)
         bwd = max(0, bwd_peak[v] - new_grads)
         out.append(replace(node, fwd_overhead_bytes=fwd, bwd_overhead_bytes=bwd))

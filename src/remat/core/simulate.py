@@ -132,19 +132,23 @@ def simulate_step_peak(
     param_grad_bytes: Sequence[int],
     order: Sequence[int] | None = None,
     output_held_bytes: int = 0,
+    grad_rise_bytes: Sequence[int] = (),
 ) -> int:
     """The whole training step's peak: ``fixed_bytes`` (parameters, buffers, optimizer state:
     whatever lives all step besides ``graph.input_bytes``) + ``output_held_bytes`` (the model
     output the training loop keeps, :mod:`remat.core.step`) + the parameter gradients made so far +
     the plan's live bytes, maximised over the simulated timeline. ``param_grad_bytes[v]`` (from
     :attr:`remat.capture.graph.GraphTrace.param_grad_bytes`) is counted from the backward of
-    ``v`` on, during that backward too. Compare with :func:`remat.measure.events.step_peak_bytes` of a
-    step that starts with no parameter gradient (``fixed_bytes`` then excludes them).
-    :func:`graph_step_peak` with :class:`remat.core.step.StepCosts` adds the optimizer step.
+    ``v`` on; during that backward ``grad_rise_bytes[v]`` of them
+    (:attr:`remat.capture.graph.GraphTrace.grad_rise_bytes`; empty: all of them). Compare with
+    :func:`remat.measure.events.step_peak_bytes` of a step that starts with no parameter
+    gradient (``fixed_bytes`` then excludes them). :func:`graph_step_peak` with
+    :class:`remat.core.step.StepCosts` adds the optimizer step.
     """
     costs = StepCosts(
         persistent_bytes=fixed_bytes,
         grad_bytes=tuple(param_grad_bytes),
+        grad_rise_bytes=tuple(grad_rise_bytes),
         output_held_bytes=output_held_bytes,
     )
     return graph_step_peak(graph, plan, costs, order)

@@ -172,7 +172,9 @@ class StepCosts:
     """Per stage (0-based) or graph node, the parameter-gradient bytes its first backward
     makes."""
     grad_rise_bytes: tuple[int, ...] = ()
-    """Per stage, how much those gradients raise that backward's peak (empty: all of them)."""
+    """Per stage or node, how much those gradients raise that backward's peak (empty: all of
+    them): :attr:`remat.capture.chain.Captured.grad_rise_bytes`,
+    :attr:`remat.capture.graph.GraphTrace.grad_rise_bytes`."""
     optimizer_step_bytes: int = 0
     """Temporaries of one optimizer step (:func:`remat.measure.profile.optimizer_costs`)."""
     output_held_bytes: int = 0
