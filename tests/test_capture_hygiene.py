@@ -4,6 +4,7 @@ LoRA) are measured and planned like any other model."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.auto import auto, fixed_bytes, stage_grad_bytes
+from remat.auto import auto, fixed_bytes, predicted_step_peak_bytes, stage_grad_bytes
 from remat.capture.chain import capture, capture_chain
 from remat.capture.graph import trace_graph
 from remat.capture.stages import UnsupportedModelError
@@ -329,3 +330,21 @@ def test_frozen_parameters_are_planned_and_trained_like_eager(name: str) -> None
         torch.testing.assert_close(grads[n], reference[n], rtol=1e-5, atol=1e-6)
     measured = _step_peak(planned, batch)
     assert measured <= budget, (measured, budget, summary.predicted_peak_bytes)
+
+
+def test_a_frozen_prefix_keeps_nothing_for_a_backward_it_does_not_have() -> None:
+    # torchvision's ResNet with its stem and layer1 frozen (the conformance suite's
+    # tv-resnet10-frozen): the stem's output was held by the chain model through the whole
+    # backward, so the unplanned step was predicted 524,288 B above its measured peak and the
+    # least whole-step peak remat named (62,092,192 B) lay above the eager step (61,693,920 B)
+    model, batch = _frozen_mlp()
+    captured = capture(model, batch)
+    chain = captured.chain
+    assert chain.frozen_prefix == 3  # three frozen Linear + GELU blocks: no backward
+    measured = _step_peak(model, batch)
+    predicted = predicted_step_peak_bytes(model, captured, remat.Plan.none())
+    assert measured <= predicted <= measured + 1024, (measured, predicted)
+    # without it, the outputs of the first two blocks (512 x 128 floats each) stay counted
+    bare = dataclasses.replace(chain, frozen_prefix=0)
+    over = remat.simulate(bare, remat.Plan.none()).peak_bytes
+    assert over - remat.simulate(chain, remat.Plan.none()).peak_bytes >= 2 * 512 * 128 * 4

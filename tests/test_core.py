@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from remat import Chain, Plan, PlanError, Segment, parse_bytes, simulate
+from remat.core.graph import Graph
 
 
 def test_chain_validation_messages() -> None:
@@ -133,3 +134,28 @@ def test_parse_bytes() -> None:
     assert parse_bytes(123) == 123
     with pytest.raises(ValueError, match="'512MiB'"):
         parse_bytes("lots")
+
+
+def test_a_frozen_prefix_has_no_backward_in_the_chain_model() -> None:
+    base = Chain.homogeneous(4, out_bytes=10)
+    data = base.to_dict()
+    data.pop("schema"), data.pop("version")
+    frozen = Chain(**{**data, "frozen_prefix": 2})
+    # store everything, at stage 4's backward: a0, a2 (stage 3's input), a3, a4, δ4, δ3 =
+    # 60; a1 was freed once stage 2 read it (no backward keeps it), against 70 without
+    assert simulate(base, Plan.none()).peak_bytes == 70
+    assert simulate(frozen, Plan.none()).peak_bytes == 60
+    # a checkpointed segment that starts in the prefix keeps its input (a1) until its
+    # backward: recomputed, a0 a1 a2 a3 a4 δ4 and δ3 are live at stage 4's backward (70)
+    plan = Plan((Segment(1, 1, False), Segment(2, 4, True)))
+    assert simulate(frozen, plan).peak_bytes == 70
+    # then 50 (stage 3's: no δ2), 20 (stage 2's: a0 and the segment's a1), 10
+    backward = [e.peak_bytes for e in simulate(frozen, plan).timeline if e.op == "B"]
+    assert backward == [70, 50, 20, 10]
+    assert Chain.from_json(frozen.to_json()) == frozen
+    assert frozen.fingerprint != base.fingerprint
+    assert "frozen_prefix" not in base.to_dict()  # the default: the file format as before
+    with pytest.raises(ValueError, match="frozen_prefix"):
+        Chain(**{**data, "frozen_prefix": 5})
+    with pytest.raises(ValueError, match="path graph"):
+        Graph.from_chain(frozen)

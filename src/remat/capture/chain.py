@@ -455,6 +455,7 @@ def _measure_chain(
         p.grad = None
     costs: list[StageCost] = []
     outs: list[int] = []
+    trains: list[bool] = []  # per stage, whether its output needs a gradient
     # the model's output (what finish returns): all, largest, whether it has its own .loss
     held: list[tuple[int, int, bool]] = []
     x = a0
@@ -509,6 +510,7 @@ def _measure_chain(
                 raise in_place_input_error(i + 1, split.names[i])
             costs.append(cost)
             outs.append(cost.out_bytes)
+            trains.append(any(t.requires_grad for t in _tensors(out)))
             before = _keys(_tensors(x))
             after = _keys(_tensors(out))
             made.append({s: b for s, b in after.items() if s not in skip and s not in before})
@@ -532,9 +534,15 @@ def _measure_chain(
                 saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
                 carried[j] += nbytes
     input_bytes += sum(carried)
+    # the leading stages whose output needs no gradient (frozen layers on a batch without
+    # gradient) have no backward: Chain.frozen_prefix
+    frozen = next((i for i, needs in enumerate(trains) if needs), n)
     bwd_overhead = []
     for i, cost in enumerate(costs):
-        grad_in = outs[i - 1] if i > 0 else 0
+        if i < frozen:
+            bwd_overhead.append(0)
+            continue
+        grad_in = outs[i - 1] if i > frozen else 0  # a[i] gets a gradient when it needs one
         # The simulator holds a[i] until B_i; in a whole step an output the stage's backward
         # does not need is gone by then (the next stage's backward, or the end of the
         # checkpointed segment that took it as input, released it). The last stage's output
@@ -552,6 +560,7 @@ def _measure_chain(
         fwd_overhead_bytes=[c.fwd_overhead_bytes for c in costs],
         bwd_overhead_bytes=bwd_overhead,
         fwd_none_overhead_bytes=[c.fwd_none_overhead_bytes for c in costs],
+        frozen_prefix=frozen,
         names=split.names,
         time_unit="flop" if fake and time_model is None else "s",
         stages_fingerprint=split.fingerprint,

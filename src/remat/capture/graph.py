@@ -1611,15 +1611,6 @@ def _overheads(
     memory = st.memory
     assert memory is not None
     value = memory.peak
-    allocator = st.allocator
-
-    def scratch(span: int, first: int, last: int) -> tuple[int, int]:
-        """What only the allocator saw inside one call / autograd function (kernel scratch),
-        and the part of it below 1 KiB that this leaves out."""
-        if allocator is None:
-            return 0, 0
-        rise, tracked = allocator.rise(span), memory.rise_with_grads(first, last)
-        return scratch_bytes(rise, tracked), small_scratch_bytes(rise, tracked)
 
     n = len(nodes)
     fwd_peak = [0] * n
@@ -1635,7 +1626,7 @@ def _overheads(
         start, end = rec.mem
         if last_end[v] is not None and owner_of_last == v:
             grown[v] += value(start, start) - value(last_end[v], last_end[v])
-        big, little = scratch(rec.span, start, end)
+        big, little = _scratch(st, rec.span, start, end)
         excess = value(start, end) - value(start, start) + big
         if peak_call[v] is None or grown[v] + excess > fwd_peak[v]:
             fwd_peak[v], peak_call[v] = max(fwd_peak[v], grown[v] + excess), rec.index

@@ -28,7 +28,11 @@ Per stage ``i`` (all lists are indexed from 0 for stage 1):
   ``-(saved_bytes[i] + out_bytes[i])``.
 
 Plus ``input_bytes``: the bytes of ``a[0]``, live during the whole step. The model's input does
-not get a gradient (``δ[0]`` is never allocated).
+not get a gradient (``δ[0]`` is never allocated). And ``frozen_prefix``: the ``k`` leading stages
+whose outputs need no gradient (a fine-tuned model's frozen stem on a batch without gradient)
+have no backward; stored, they keep nothing, and ``δ[0..k]`` are never allocated. Without it, a
+frozen ResNet's stem output was held through the whole backward: the unplanned step predicted
+524,288 B above its measured peak, and the least whole-step peak remat named lay above it.
 
 Example:
     >>> chain = Chain(fwd_time=[1.0, 1.0], bwd_time=[2.0, 2.0], out_bytes=[4, 4],
@@ -87,6 +91,11 @@ class Chain:
     fwd_none_overhead_bytes: tuple[int, ...] = ()
     """Transient bytes during each stage's forward without grad beyond its output (default:
     ``fwd_overhead_bytes``; see the module docstring)."""
+    frozen_prefix: int = 0
+    """How many leading stages have no backward (default 0): their outputs ``a[1..k]`` need no
+    gradient (frozen layers on a batch without gradient, a fine-tuned model's frozen stem).
+    Stored, such a stage keeps nothing (its input and output are freed once read, as in a
+    forward without grad), and no gradient is made for ``a[0..k]`` (see the module docstring)."""
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +111,10 @@ class Chain:
                 values = (0,) * n
             set_(self, name, tuple(_as_int(name, v) for v in values))
         set_(self, "input_bytes", _as_int("input_bytes", self.input_bytes))
+        k = _as_int("frozen_prefix", self.frozen_prefix)
+        if not 0 <= k <= n:
+            raise ValueError(f"Chain.frozen_prefix = {k}: need 0 <= frozen_prefix <= {n} (stages)")
+        set_(self, "frozen_prefix", k)
         none = self.fwd_none_overhead_bytes
         none = tuple(_as_int("fwd_none_overhead_bytes", v) for v in none)
         set_(self, "fwd_none_overhead_bytes", none or self.fwd_overhead_bytes)
@@ -246,6 +259,8 @@ class Chain:
                 continue  # a chain not captured from a model: the file format as before
             if f.name == "fwd_none_overhead_bytes" and value == self.fwd_overhead_bytes:
                 continue  # the default: written (and hashed) as version 1, as before
+            if f.name == "frozen_prefix" and not value:
+                continue  # the default: the file format (and hash) as before
             data[f.name] = list(value) if isinstance(value, tuple) else value
         if "fwd_none_overhead_bytes" not in data:
             data["version"] = 1

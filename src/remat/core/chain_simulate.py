@@ -30,6 +30,8 @@ The rules (docs/cost-model.md has them with pictures):
 * **Backward of stage** ``i`` (``B``): allocates ``δ[i-1]`` (not for ``i = 1``: the input gets no
   gradient); peak: live + ``bwd_overhead_bytes[i]``; then frees ``δ[i]`` and releases what stage
   ``i`` held.
+* **Frozen prefix** (``Chain.frozen_prefix = k``): stages ``1..k`` have no backward. Stored,
+  such a stage holds nothing (as without grad); no ``δ[0..k]`` is allocated.
 
 Example:
     >>> from remat import Chain, Plan
@@ -241,7 +243,7 @@ class _Simulator:
     def _stage_forward(self, i: int, inp: object, store: bool, drop: bool = False) -> object:
         c = self.chain
         out = self._alloc(self._new_key("a", i), c.out_bytes[i - 1])
-        if store:
+        if store and i > c.frozen_prefix:  # a stage without backward keeps nothing
             internal = self._alloc(self._new_key("x", i), c.saved_bytes[i - 1] - c.out_bytes[i - 1])
             self._ref(inp)
             self._ref(out)
@@ -274,11 +276,13 @@ class _Simulator:
 
     def _stage_backward(self, i: int, grad: object | None) -> object | None:
         c = self.chain
-        new_grad = self._alloc(self._new_key("d", i - 1), c.out_bytes[i - 2]) if i > 1 else None
+        # a[i-1] gets a gradient unless it is the input or a frozen stage's output
+        grad_in = i > c.frozen_prefix + 1
+        new_grad = self._alloc(self._new_key("d", i - 1), c.out_bytes[i - 2]) if grad_in else None
         peak = self._peak(c.bwd_overhead_bytes[i - 1])
         if grad is not None:
             self._unref(grad)
-        for key in self.stage_holds.pop(i):
+        for key in self.stage_holds.pop(i, ()):
             self._unref(key)
         for key in self.release_at.pop(i, ()):
             self._unref(key)

@@ -313,7 +313,15 @@ class Graph:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_chain(cls, chain: Chain) -> Graph:
-        """The path graph of a chain: node ``i`` is stage ``i + 1`` and reads node ``i - 1``."""
+        """The path graph of a chain: node ``i`` is stage ``i + 1`` and reads node ``i - 1``.
+        A chain with a frozen prefix (:attr:`Chain.frozen_prefix`) has none: a graph's frozen
+        layers are constants (:class:`Constant`), not nodes."""
+        if chain.frozen_prefix:
+            raise ValueError(
+                f"a chain whose first {chain.frozen_prefix} stages have no backward "
+                "(Chain.frozen_prefix) has no path graph: capture the module graph instead, "
+                "where frozen layers are constants"
+            )
         nodes = [
             Node(
                 name=chain.names[i],
