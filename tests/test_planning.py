@@ -158,9 +158,11 @@ def test_checkpoint_state_bytes_are_counted_per_checkpointed_segment() -> None:
     segments = sum(1 for s in plan.for_chain(chain).walk() if s.checkpoint)
     with_state = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 6, checkpoint_state_bytes=1000)
     assert segments > 0
-    assert (
-        step_peak_of(chain, plan, with_state) == step_peak_of(chain, plan, costs) + 1000 * segments
-    )
+    # every checkpoint's state, and while a segment is recomputed the RNG state torch's
+    # checkpoint forks aside (at most one more)
+    bare = step_peak_of(chain, plan, costs)
+    assert bare + 1000 * segments <= step_peak_of(chain, plan, with_state)
+    assert step_peak_of(chain, plan, with_state) <= bare + 1000 * (segments + 1)
     # the search counts them: its plan for a budget that includes them fits with them
     budget = step_peak_of(chain, plan, with_state)
     assert step_peak_of(chain, plan_for_step(chain, with_state, budget), with_state) <= budget

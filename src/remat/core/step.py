@@ -77,8 +77,9 @@ LOOPS: dict[str, str] = {
 
 CHECKPOINT_STATES: dict[str, str] = {
     "per-segment": (
-        "one RNG state per checkpointed segment, from its forward to its backward "
-        "(torch.utils.checkpoint: the chain executor)"
+        "one RNG state per checkpointed segment, from its forward to its backward, and one "
+        "more while a segment is recomputed (torch.random.fork_rng): torch.utils.checkpoint, "
+        "the chain executor"
     ),
     "per-random-call": (
         "one RNG state per random call (dropout) inside a checkpointed segment, from the "
@@ -389,7 +390,12 @@ def event_step_bytes(
     the event's bytes with everything the costs add to them)."""
     timeline = list(timeline)
     if costs.checkpoint_state_bytes and segments:
-        states = segment_state_bytes(timeline, segments, costs.checkpoint_state_bytes)
+        states = segment_state_bytes(
+            timeline,
+            segments,
+            costs.checkpoint_state_bytes,
+            forks=costs.checkpoint_states == "per-segment",
+        )
         timeline = [
             e._replace(peak_bytes=e.peak_bytes + b, live_bytes=e.live_bytes + b)
             for e, b in zip(timeline, states, strict=True)
@@ -503,7 +509,10 @@ def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEve
 
 
 def segment_state_bytes(
-    timeline: Sequence[StepEvent], segments: Sequence[tuple[int, int]], state_bytes: int
+    timeline: Sequence[StepEvent],
+    segments: Sequence[tuple[int, int]],
+    state_bytes: int,
+    forks: bool = True,
 ) -> list[int]:
     """Per event of a chain's or graph's ``timeline``, the bytes of checkpoint state live
     during it: a checkpointed top-level segment whose first stage or node (in forward order,
@@ -511,16 +520,25 @@ def segment_state_bytes(
     ``(start, count)`` pairs) keeps ``count * state_bytes`` (the RNG state each checkpoint
     saves) from that first forward to the end of ``start``'s backward (the segment's last),
     when autograd frees the checkpoint with the segment's nodes. Its nested segments are
-    counted with it, an upper bound: a nested one only exists while its parent recomputes."""
+    counted with it, an upper bound: a nested one only exists while its parent recomputes.
+    With ``forks``, during a recomputation (a forward of a stage or node that ran before) one
+    more state is live: torch's checkpoint forks the RNG (``torch.random.fork_rng``) around it,
+    keeping the current state aside (a DistilBERT step recomputing one layer measured 968 B
+    above its prediction without it). The graph executor's replays are counted by
+    :func:`remat.core.simulate.graph_step_peak` instead."""
     weight = dict(segments)
     live = 0
     started: set[int] = set()  # once: a segment's recomputation runs its first stage again
+    ran: set[int] = set()
     out = []
     for e in timeline:
         if not e.backward and e.index in weight and e.index not in started:
             started.add(e.index)
             live += weight[e.index] * state_bytes
-        out.append(live)
+        again = forks and not e.backward and e.index >= 0 and e.index in ran
+        out.append(live + (state_bytes if again else 0))
+        if not e.backward:
+            ran.add(e.index)
         if e.backward and e.index in weight:
             live -= weight[e.index] * state_bytes
     return out
