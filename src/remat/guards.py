@@ -196,3 +196,28 @@ class BufferSnapshot:
             for m, name, b, saved in self.slots:
                 m._buffers[name] = b
                 b.copy_(saved)
+
+
+RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+def running_stat(m: nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` of ``m`` is a running statistic batch norm updates in training
+    mode (what the chain executor's recomputation reads from throw-away copies)."""
+    return (
+        name in RUNNING_STATS
+        and isinstance(m, nn.modules.batchnorm._NormBase)
+        and m.track_running_stats
+        and m.training
+    )
+
+
+def running_stat_bytes(module: nn.Module) -> int:
+    """Unique bytes of the running statistics (:func:`running_stat`) of ``module``'s
+    submodules."""
+    found: dict[int, int] = {}
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and running_stat(m, name):
+                found[id(b)] = b.numel() * b.element_size()
+    return sum(found.values())

@@ -85,7 +85,13 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
-from remat.guards import BatchCopy, BufferSnapshot, _versions, in_place_input_error
+from remat.guards import (
+    BatchCopy,
+    BufferSnapshot,
+    _versions,
+    in_place_input_error,
+    running_stat_bytes,
+)
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
     AllocatorWindow,
@@ -137,6 +143,10 @@ class Captured:
     """Per stage, ``(forward, backward)`` allocator-only bytes below 1 KiB at its peaks
     (:attr:`StageCost.small_scratch_bytes`): :attr:`remat.core.step.StepCosts.
     op_scratch_bytes`. Empty when unknown (fake tensors)."""
+    recompute_kept_bytes: tuple[int, ...] = ()
+    """Per stage, the batch-norm running statistics (training mode) of its modules: what the
+    chain executor copies when it recomputes the stage, kept by the recomputed backward
+    (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`). Empty when none."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage, the wrapped scalars its forward saves without the saved-tensor hooks
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
@@ -269,8 +279,15 @@ def _capture(
             buffers.restore()
             for p, g in grads.items():
                 p.grad = g
+    stats = tuple(running_stat_bytes(module) for module in split.modules)
     return Captured(
-        chain, split, rises, *output, small_scratch_bytes=small, forward_kept_bytes=kept
+        chain,
+        split,
+        rises,
+        *output,
+        small_scratch_bytes=small,
+        forward_kept_bytes=kept,
+        recompute_kept_bytes=stats if any(stats) else (),
     )
 
 

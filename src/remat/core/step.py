@@ -194,6 +194,13 @@ class StepCosts:
     first forward through the backward's peak, and once more on each recomputation, until the
     next backward (the recomputed graph that holds them dies with the recomputation). Empty:
     none."""
+    recompute_kept_bytes: tuple[int, ...] = ()
+    """Per stage (0-based), bytes the chain executor copies when it recomputes the stage and
+    that live until the stage's backward: batch norm's running statistics, which a
+    recomputation reads from throw-away copies (so that the step updates them once) and whose
+    backward saves them (:class:`remat.execute.chain._BuffersWrittenOnce`;
+    :attr:`remat.capture.chain.Captured.recompute_kept_bytes`). A recomputation makes the
+    copies of every stage it recomputes at its start. Empty: none."""
     op_scratch_bytes: tuple[tuple[int, int], ...] = ()
     """Per stage or node, ``(forward, backward)``: the allocator-only bytes below 1 KiB its
     forward's and backward's peaks had beside the tracked tensors when captured on real tensors
@@ -253,6 +260,14 @@ class StepCosts:
         if self.forward_kept_bytes and len(self.forward_kept_bytes) != len(self.grad_bytes):
             raise ValueError(
                 f"forward_kept_bytes has {len(self.forward_kept_bytes)} entries, grad_bytes "
+                f"{len(self.grad_bytes)}"
+            )
+        object.__setattr__(
+            self, "recompute_kept_bytes", tuple(int(b) for b in self.recompute_kept_bytes)
+        )
+        if self.recompute_kept_bytes and len(self.recompute_kept_bytes) != len(self.grad_bytes):
+            raise ValueError(
+                f"recompute_kept_bytes has {len(self.recompute_kept_bytes)} entries, grad_bytes "
                 f"{len(self.grad_bytes)}"
             )
         object.__setattr__(
@@ -402,6 +417,8 @@ def event_step_bytes(
         ]
     if any(costs.forward_kept_bytes):
         timeline = _with_forward_kept(timeline, costs.forward_kept_bytes)
+    if any(costs.recompute_kept_bytes):
+        timeline = _with_recompute_kept(timeline, costs.recompute_kept_bytes)
     if costs.loss_bytes:
         timeline = _with_loss(timeline, costs.loss_bytes)
     if any(f or b for f, b in costs.op_scratch_bytes):
@@ -462,6 +479,42 @@ def _with_forward_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[S
         extra = live + burst
         out.append(e._replace(peak_bytes=e.peak_bytes + extra, live_bytes=e.live_bytes + extra))
     return out
+
+
+def _with_recompute_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[StepEvent]:
+    """``timeline`` with :attr:`StepCosts.recompute_kept_bytes`: a recomputation (a run of
+    forward events of stages that ran before) makes ``kept[i]`` for each stage ``i`` it
+    recomputes at its first event, live until the peak of ``i``'s next backward."""
+    n = len(timeline)
+    extra = [0] * n  # at each event's peak
+    after = [0] * n  # in its live bytes
+    seen: set[int] = set()
+    pos = 0
+    while pos < n:
+        e = timeline[pos]
+        if e.backward or e.index < 0:
+            pos += 1
+            continue
+        if e.index not in seen:
+            seen.add(e.index)
+            pos += 1
+            continue
+        start = pos  # a recomputation: the run of forward events of stages seen before
+        stages = set()
+        while pos < n and not timeline[pos].backward and timeline[pos].index in seen:
+            stages.add(timeline[pos].index)
+            pos += 1
+        for i in stages:
+            end = next(
+                (q for q in range(pos, n) if timeline[q].backward and timeline[q].index == i), n - 1
+            )
+            for q in range(start, end + 1):
+                extra[q] += kept[i]
+                after[q] += kept[i] if q < end else 0
+    return [
+        e._replace(peak_bytes=e.peak_bytes + x, live_bytes=e.live_bytes + a)
+        for e, x, a in zip(timeline, extra, after, strict=True)
+    ]
 
 
 def _with_loss(timeline: list[StepEvent], loss_bytes: int) -> list[StepEvent]:

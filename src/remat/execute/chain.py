@@ -53,6 +53,7 @@ from remat.guards import (
     check_no_own_checkpointing,
     check_not_wrapped,
     in_place_input_error,
+    running_stat,
 )
 from remat.measure.profile import loss_from_output
 
@@ -325,7 +326,9 @@ class _BuffersWrittenOnce:
     recomputation's saved tensors identical to the forward's: batch norm's backward node saves
     the running statistics as well. The copies from before the forward live until the
     segment's backward: the written buffers' bytes once per checkpointed segment (a moving
-    average's or spectral norm's vectors), which the step's prediction does not count.
+    average's or spectral norm's vectors), which the step's prediction does not count. The
+    recomputation's copies of batch norm's running statistics, which its backward saves, live
+    until that backward: counted (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`).
 
     Re-enterable: torch enters a checkpoint's recompute context once per recomputation, and a
     segment is recomputed again by every backward that needs it (``backward(retain_graph=True)``
@@ -404,18 +407,11 @@ class _WriteWatch:
         return [m._buffers.get(n) for m, n in self.guard.slots]
 
 
-_RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
-
-
 def _running_stat(m: nn.Module, name: str) -> bool:
-    """A running statistic batch norm updates in training mode: the native kernel writes it
-    without bumping its version counter, so it is not seen as written otherwise."""
-    return (
-        name in _RUNNING_STATS
-        and isinstance(m, nn.modules.batchnorm._NormBase)
-        and m.track_running_stats
-        and m.training
-    )
+    """A running statistic batch norm updates in training mode (:func:`remat.guards.
+    running_stat`): the native kernel writes it without bumping its version counter, so it is
+    not seen as written otherwise."""
+    return running_stat(m, name)
 
 
 # ---------------------------------------------------------------------- the executor
