@@ -254,22 +254,13 @@ class StepCosts:
                 f"checkpoint_states must be one of {sorted(CHECKPOINT_STATES)}, got "
                 f"{self.checkpoint_states!r}"
             )
-        object.__setattr__(
-            self, "forward_kept_bytes", tuple(int(b) for b in self.forward_kept_bytes)
-        )
-        if self.forward_kept_bytes and len(self.forward_kept_bytes) != len(self.grad_bytes):
-            raise ValueError(
-                f"forward_kept_bytes has {len(self.forward_kept_bytes)} entries, grad_bytes "
-                f"{len(self.grad_bytes)}"
-            )
-        object.__setattr__(
-            self, "recompute_kept_bytes", tuple(int(b) for b in self.recompute_kept_bytes)
-        )
-        if self.recompute_kept_bytes and len(self.recompute_kept_bytes) != len(self.grad_bytes):
-            raise ValueError(
-                f"recompute_kept_bytes has {len(self.recompute_kept_bytes)} entries, grad_bytes "
-                f"{len(self.grad_bytes)}"
-            )
+        for name in ("forward_kept_bytes", "recompute_kept_bytes"):  # per stage or node
+            values = tuple(int(b) for b in getattr(self, name))
+            object.__setattr__(self, name, values)
+            if values and len(values) != len(self.grad_bytes):
+                raise ValueError(
+                    f"{name} has {len(values)} entries, grad_bytes {len(self.grad_bytes)}"
+                )
         object.__setattr__(
             self, "op_scratch_bytes", tuple((int(f), int(b)) for f, b in self.op_scratch_bytes)
         )
