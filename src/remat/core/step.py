@@ -472,6 +472,18 @@ def _with_forward_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[S
     return out
 
 
+def _recomputations(timeline: Sequence[StepEvent]) -> list[bool]:
+    """Per event, whether it is a recomputation: a forward of a stage or node that ran before
+    (the chain's loss event, index -1, is none)."""
+    ran: set[int] = set()
+    out = []
+    for e in timeline:
+        out.append(not e.backward and e.index >= 0 and e.index in ran)
+        if not e.backward:
+            ran.add(e.index)
+    return out
+
+
 def _with_recompute_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list[StepEvent]:
     """``timeline`` with :attr:`StepCosts.recompute_kept_bytes`: a recomputation (a run of
     forward events of stages that ran before) makes ``kept[i]`` for each stage ``i`` it
@@ -479,20 +491,15 @@ def _with_recompute_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list
     n = len(timeline)
     extra = [0] * n  # at each event's peak
     after = [0] * n  # in its live bytes
-    seen: set[int] = set()
+    again = _recomputations(timeline)
     pos = 0
     while pos < n:
-        e = timeline[pos]
-        if e.backward or e.index < 0:
+        if not again[pos]:
             pos += 1
             continue
-        if e.index not in seen:
-            seen.add(e.index)
-            pos += 1
-            continue
-        start = pos  # a recomputation: the run of forward events of stages seen before
+        start = pos  # a recomputation: the run of forward events of stages that ran before
         stages = set()
-        while pos < n and not timeline[pos].backward and timeline[pos].index in seen:
+        while pos < n and again[pos]:
             stages.add(timeline[pos].index)
             pos += 1
         for i in stages:
@@ -573,16 +580,12 @@ def segment_state_bytes(
     weight = dict(segments)
     live = 0
     started: set[int] = set()  # once: a segment's recomputation runs its first stage again
-    ran: set[int] = set()
     out = []
-    for e in timeline:
+    for e, again in zip(timeline, _recomputations(timeline), strict=True):
         if not e.backward and e.index in weight and e.index not in started:
             started.add(e.index)
             live += weight[e.index] * state_bytes
-        again = forks and not e.backward and e.index >= 0 and e.index in ran
-        out.append(live + (state_bytes if again else 0))
-        if not e.backward:
-            ran.add(e.index)
+        out.append(live + (state_bytes if forks and again else 0))
         if e.backward and e.index in weight:
             live -= weight[e.index] * state_bytes
     return out
