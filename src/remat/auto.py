@@ -103,6 +103,7 @@ __all__ = [
     "predicted_step_peak_bytes",
     "total_peak_bytes",
     "stage_grad_bytes",
+    "step_costs",
 ]
 
 
@@ -466,19 +467,9 @@ def predicted_step_peak_bytes(
     loop keeps, :data:`remat.core.step.LOOPS`); compare it with
     :func:`remat.measure.events.step_peak_bytes` of the planned step."""
 
-    grads = stage_grad_bytes(captured.stages)
-    persistent = fixed_bytes(model, optimizer) - sum(grads)
-    _, step_bytes = optimizer_costs(model, optimizer)
-    return total_peak_bytes(
-        captured.chain,
-        plan,
-        persistent,
-        grads,
-        captured.grad_rise_bytes,
-        optimizer_step_bytes=step_bytes,
-        output_held_bytes=output_held_bytes(loop, captured.output_bytes),
-        scalars=scalar_costs(captured, _device(model)),
-    )
+    # the step runs the loss the capture ran: no criterion of the loop's own to add
+    costs = step_costs(captured, model, optimizer, loop=loop, loss_fn=default_loss_fn)
+    return step_peak_of(captured.chain, plan, costs)
 
 
 def stage_grad_bytes(stages: Any) -> list[int]:
@@ -513,6 +504,50 @@ def _criterion(loss_fn: Any, batch: Any, captured: Any, loop: str) -> dict[str, 
     return {"criterion_peak_bytes": peak, "output_grad_bytes": grad}
 
 
+def step_costs(
+    captured: Captured | GraphTrace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loop: str = "loss-only",
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    batch: Any = None,
+    now: _Trained | None = None,
+) -> StepCosts:
+    """The one whole-step model's costs (:class:`remat.core.step.StepCosts`) of a capture: the
+    chain path's (:func:`remat.capture.chain.capture`) and the graph path's
+    (:func:`remat.capture.graph.trace_graph`) alike, for :func:`auto`, :func:`remat.fit.fit`
+    and :func:`remat.distributed.auto_distributed`.
+
+    What no plan changes (:func:`fixed_bytes`), less the parameter gradients, counted as the
+    backward makes them (per stage or node, with the capture's ``grad_rise_bytes``); the
+    optimizer step's temporaries (:func:`remat.measure.profile.optimizer_costs`); the output
+    ``loop`` holds; the capture's small tensors (:func:`scalar_costs`); the loop's own
+    criterion where the capture did not run it (``loss_fn``, ``batch``); the executor's
+    checkpoint states (the chain executor's one per checkpointed segment, the graph
+    executor's one per random call). ``now``: the model as it is at a training call (a
+    re-plan, :func:`_trained_now`) instead of ``model`` and ``optimizer`` before training."""
+    graph = isinstance(captured, GraphTrace)
+    if now is None:
+        grads = list(captured.param_grad_bytes) if graph else stage_grad_bytes(captured.stages)
+        now = _Trained(
+            fixed_bytes(model, optimizer), grads, optimizer_costs(model, optimizer)[1], False
+        )
+    return StepCosts(
+        persistent_bytes=now.fixed - sum(now.grads),
+        grad_bytes=tuple(now.grads),
+        grad_rise_bytes=tuple(captured.grad_rise_bytes or ()),
+        optimizer_step_bytes=now.step_bytes,
+        grads_live=now.live,
+        output_held_bytes=output_held_bytes(loop, captured.output_bytes),
+        input_bytes=captured.graph.input_bytes if graph else captured.chain.input_bytes,
+        **scalar_costs(captured, _device(model)),
+        checkpoint_state_bytes=checkpoint_state_bytes(),
+        checkpoint_states="per-random-call" if graph else "per-segment",
+        **_criterion(loss_fn, batch, captured, loop),
+    )
+
+
 def _auto_graph(
     model: nn.Module,
     batch: Any,
@@ -542,22 +577,8 @@ def _auto_graph(
     _, step_bytes = optimizer_costs(model, optimizer)
 
     def costs_of(trace: Any, now: _Trained | None = None) -> StepCosts:
-        grads = list(trace.param_grad_bytes)
-        fixed_now, _, step_now, live = now or (fixed, grads, step_bytes, False)
-        return StepCosts(
-            persistent_bytes=fixed_now - sum(grads),
-            grad_bytes=tuple(grads),
-            grad_rise_bytes=trace.grad_rise_bytes,
-            optimizer_step_bytes=step_now,
-            grads_live=live,
-            output_held_bytes=output_held_bytes(loop, trace.output_bytes),
-            input_bytes=trace.graph.input_bytes,
-            **scalar_costs(trace, _device(model)),
-            # the graph executor's RNG states: one per random call in a checkpointed segment
-            checkpoint_state_bytes=checkpoint_state_bytes(),
-            checkpoint_states="per-random-call",
-            **_criterion(loss_fn, batch, trace, loop),
-        )
+        before = _Trained(fixed, list(trace.param_grad_bytes), step_bytes, False)
+        return step_costs(trace, model, loop=loop, loss_fn=loss_fn, batch=batch, now=now or before)
 
     def plan_traced(
         trace: Any, spec: int | float | str | None, now: _Trained | None = None
@@ -933,23 +954,14 @@ class _StepModel:
     """The optimizer step's own temporaries."""
 
     def costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
-        fixed_now, grads_now, step_now, live = now or (
-            self.fixed,
-            self.grads,
-            self.step_bytes,
-            False,
-        )
-        return StepCosts(
-            persistent_bytes=fixed_now - sum(grads_now),
-            grad_bytes=tuple(grads_now),
-            grad_rise_bytes=tuple(new.grad_rise_bytes or ()),
-            optimizer_step_bytes=step_now,
-            grads_live=live,
-            output_held_bytes=output_held_bytes(self.loop, new.output_bytes),
-            input_bytes=new.chain.input_bytes,
-            **scalar_costs(new, _device(self.model)),
-            checkpoint_state_bytes=checkpoint_state_bytes(),
-            **_criterion(self.loss_fn, self.batch, new, self.loop),
+        before = _Trained(self.fixed, self.grads, self.step_bytes, False)
+        return step_costs(
+            new,
+            self.model,
+            loop=self.loop,
+            loss_fn=self.loss_fn,
+            batch=self.batch,
+            now=now or before,
         )
 
     def unplanned_peak(self, new: Captured) -> int:

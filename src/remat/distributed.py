@@ -31,6 +31,7 @@ unsharded gradients); replanning on a new batch shape is not collective, so
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat.auto import AutoSummary, plan_for_total_budget, total_peak_bytes
+from remat.auto import AutoSummary, step_costs
 from remat.capture.chain import _model_arguments, capture
 from remat.capture.stages import split_stages
 from remat.core.chain import Chain
@@ -52,6 +53,7 @@ from remat.core.units import format_bytes
 from remat.execute.chain import PlannedModule, apply
 from remat.guards import ORDER_HELP, WrapOrderError, check_not_wrapped
 from remat.measure.profile import default_loss_fn, optimizer_costs
+from remat.planning import plan_for_step, step_peak_of
 
 if TYPE_CHECKING:
     from remat.auto import AutoSummary
@@ -458,15 +460,23 @@ def auto_distributed(
             # DDP: every rank steps the whole optimizer, so its temporaries are one step's;
             # FSDP2's sharded step is not modelled (docs/distributed.md)
             step_bytes = 0 if fsdp else optimizer_costs(model, optimizer)[1]
-            chosen = plan_for_total_budget(
-                chain, fixed_bytes, budget, method, optimizer_step_bytes=step_bytes
+            # the one whole-step model (remat.auto.step_costs), read as the fullest rank: its
+            # fixed bytes, every gradient in them from the start (none made by the backward)
+            costs = dataclasses.replace(
+                step_costs(captured, model, optimizer, loss_fn=loss_fn, batch=batch),
+                persistent_bytes=fixed_bytes,
+                grad_bytes=(0,) * chain.n,
+                grad_rise_bytes=(),
+                optimizer_step_bytes=step_bytes,
             )
+            chosen = plan_for_step(chain, costs, budget, method)
             payload = [
                 {
                     "plan": chosen.to_json(),
                     "chain": chain.to_json(),
                     "names": list(captured.stages.names),
-                    "optimizer_step_bytes": step_bytes,
+                    "predicted_peak_bytes": step_peak_of(chain, chosen, costs),
+                    "unplanned_peak_bytes": step_peak_of(chain, Plan.none(chain), costs),
                 }
             ]
         except Exception as err:  # every rank must learn why, or the others would hang
@@ -491,14 +501,8 @@ def auto_distributed(
     check_same_plan(planned, group=group)
     none = simulate(chain, Plan.none(chain))
     sim = simulate(chain, chosen)
-    # the whole step as the planner read the budget: every gradient in fixed_bytes from the
-    # start (none made by the backward), then rank src's optimizer step
-    step_bytes = int(message["optimizer_step_bytes"])
-    no_grads_made = [0] * chain.n
-    predicted, unplanned = (
-        total_peak_bytes(chain, p, fixed_bytes, no_grads_made, optimizer_step_bytes=step_bytes)
-        for p in (chosen, Plan.none(chain))
-    )
+    predicted = int(message["predicted_peak_bytes"])
+    unplanned = int(message["unplanned_peak_bytes"])
     summary = AutoSummary.of(
         method, chosen, chain, budget, fixed_bytes, sim, none, predicted, unplanned
     )

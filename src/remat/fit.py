@@ -80,8 +80,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from remat.auto import stage_grad_bytes
-from remat.capture.chain import _model_arguments, capture
+from remat.auto import stage_grad_bytes, step_costs
+from remat.capture.chain import Captured, _model_arguments, capture
 from remat.capture.stages import split_stages
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
@@ -652,7 +652,6 @@ class _Search:
         self.grad_bytes = stage_grad_bytes(self.stages)
 
         self.optimizer_state_bytes, self.optimizer_step_bytes = optimizer_costs(model, optimizer)
-        self.rng_state_bytes = _rng_state_bytes(self.device_type)
         self.mask_bytes = masks.mask_bytes() if masks is not None else 0
         self.persistent_bytes = (
             _storage_bytes([*model.parameters(), *model.buffers()])
@@ -661,7 +660,7 @@ class _Search:
             + device_library_bytes(next((p.device for p in model.parameters()), None))
         )
         self.counts: list[int] = [1]
-        self._chains: dict[tuple[str, int], Chain] = {}
+        self._captures: dict[tuple[str, int], Captured] = {}
         self._examples: dict[int, Any] = {}
 
     # -------------------------------------------------------------- evaluation
@@ -699,7 +698,7 @@ class _Search:
 
         chain = self.chain(name, k)
         size = _batch_size(self.example(k))
-        costs = self._costs(k)
+        costs = self._costs(name, k)
         _, least_peak = least_step_plan(chain, costs, _METHOD)
         chosen: Plan | None = None
         predicted = time_s = None
@@ -720,21 +719,27 @@ class _Search:
             chain=chain,
         )
 
-    def _costs(self, k: int) -> StepCosts:
-        """What the step holds beside the activations with ``k`` microbatches
-        (:class:`remat.core.step.StepCosts`): the state and the batch beyond the microbatch, the
-        gradients, as the backward makes them, or all live from the start from the second
-        microbatch on and in a step without an optimizer (NOTE [ Gradients that accumulate ]),
-        the optimizer step, and the RNG states each checkpoint keeps. :meth:`FitSetup.step`
-        computes the loss inside the microbatcher and keeps only it: no model output is held
-        (``loop="loss-only"``)."""
-        return StepCosts(
-            persistent_bytes=self.persistent_bytes + self.batch_bytes - self._example_bytes(k),
-            grad_bytes=tuple(self.grad_bytes),
-            optimizer_step_bytes=self.optimizer_step_bytes,
-            input_bytes=self._example_bytes(k),
+    def _costs(self, name: str, k: int) -> StepCosts:
+        """The one whole-step model's costs of this combination
+        (:func:`remat.auto.step_costs` of its capture), with the state and the batch beyond the
+        microbatch, and the gradients, as the backward makes them, or all live from the start
+        from the second microbatch on and in a step without an optimizer (NOTE [ Gradients that
+        accumulate ]). :meth:`FitSetup.step` computes the loss inside the microbatcher and keeps
+        only it: no model output is held (``loop="loss-only"``)."""
+        costs = step_costs(
+            self.captured(name, k),
+            self.model,
+            self.optimizer,
+            loop="loss-only",
+            loss_fn=self.loss_fn,
+        )
+        example = self._example_bytes(k)
+        return replace(
+            costs,
+            persistent_bytes=costs.persistent_bytes + self.mask_bytes + self.batch_bytes - example,
+            input_bytes=example,
             grads_live=k > 1 or self.optimizer is None,
-            checkpoint_state_bytes=self.rng_state_bytes,
+            loss_held=3,  # the microbatcher's weighted loss beside the loss and its seed
         )
 
     # -------------------------------------------------------------- chains
@@ -747,28 +752,32 @@ class _Search:
         return _storage_bytes(_tensors(self.example(k)))
 
     def chain(self, name: str, k: int) -> Chain:
-        key = (name, k)
-        if key not in self._chains:
-            self._chains[key] = self._capture(name, k)
-        return self._chains[key]
+        return self.captured(name, k).chain
 
-    def _capture(self, name: str, k: int) -> Chain:
+    def captured(self, name: str, k: int) -> Captured:
+        key = (name, k)
+        if key not in self._captures:
+            self._captures[key] = self._capture(name, k)
+        return self._captures[key]
+
+    def _capture(self, name: str, k: int) -> Captured:
 
         example = self.example(k)
         if name == "fp32":
             return capture(
                 self.model, example, self.loss_fn, self.stage_names, repeats=self.repeats
-            ).chain
+            )
         reference = self.chain("fp32", k)
         factor = self.factor(name)
         with _autocast(name, self.device_type):
-            measured = capture(self.model, example, self.loss_fn, self.stage_names, fake=True).chain
-        return replace(
-            measured,
+            measured = capture(self.model, example, self.loss_fn, self.stage_names, fake=True)
+        chain = replace(
+            measured.chain,
             fwd_time=tuple(t * factor for t in reference.fwd_time),
             bwd_time=tuple(t * factor for t in reference.bwd_time),
             time_unit="s",
         )
+        return replace(measured, chain=chain)
 
     def factor(self, name: str) -> float:
         """Step time of ``name`` against fp32, measured once on a microbatch of about
@@ -917,14 +926,6 @@ def _preserved(
             optimizer.load_state_dict(opt_state)
         if scaler is not None and scaler_state is not None:
             scaler.load_state_dict(scaler_state)
-
-
-def _rng_state_bytes(device_type: str) -> int:
-    """Bytes of the RNG states a checkpoint saves (``preserve_rng_state=True``)."""
-    nbytes = torch.get_rng_state().numel()
-    if device_type == "cuda":
-        nbytes += torch.cuda.get_rng_state().numel() * torch.cuda.device_count()
-    return nbytes
 
 
 def _measure_factor(

@@ -217,6 +217,10 @@ class StepCosts:
     backward returns, and the loop's ``loss`` lives through the optimizer step:
     :func:`step_peak` counts two of it from the first backward event on and one at the
     optimizer step."""
+    loss_held: int = 2
+    """How many tensors of :attr:`loss_bytes` the backward holds: the loss and the gradient it
+    is seeded with (2); :mod:`remat.levers.microbatch`'s loop also keeps the weighted loss
+    ``loss * w`` it calls ``backward`` on (3)."""
     checkpoint_state_bytes: int = 0
     """What the executor keeps per checkpointed segment until its backward (the RNG states
     saved to replay dropout: :func:`remat.auto.checkpoint_state_bytes`), measured on the torch
@@ -411,7 +415,7 @@ def event_step_bytes(
     if any(costs.recompute_kept_bytes):
         timeline = _with_recompute_kept(timeline, costs.recompute_kept_bytes)
     if costs.loss_bytes:
-        timeline = _with_loss(timeline, costs.loss_bytes)
+        timeline = _with_loss(timeline, costs.loss_held * costs.loss_bytes)
     if any(f or b for f, b in costs.op_scratch_bytes):
         scratch = costs.op_scratch_bytes
         timeline = [
@@ -515,14 +519,15 @@ def _with_recompute_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list
     ]
 
 
-def _with_loss(timeline: list[StepEvent], loss_bytes: int) -> list[StepEvent]:
-    """``timeline`` with :attr:`StepCosts.loss_bytes`: two of it (the loss and the gradient
-    its backward was seeded with) on every event from the first backward event on."""
+def _with_loss(timeline: list[StepEvent], held_bytes: int) -> list[StepEvent]:
+    """``timeline`` with ``held_bytes`` (:attr:`StepCosts.loss_held` of :attr:`StepCosts.
+    loss_bytes`: the loss and the gradient its backward was seeded with) on every event from
+    the first backward event on."""
     out = []
     held = 0
     for e in timeline:
         if e.backward:
-            held = 2 * loss_bytes
+            held = held_bytes
         out.append(e._replace(peak_bytes=e.peak_bytes + held, live_bytes=e.live_bytes + held))
     return out
 
