@@ -288,16 +288,29 @@ class _Planned:
     program: _Program | None
 
 
-def _structure(graph: Graph) -> list[tuple[Any, ...]]:
-    return [(n.name, n.inputs, n.out_bytes, n.saved_bytes) for n in graph.nodes]
+def _structure(graph: Graph, inside: Sequence[bool] | None = None) -> list[tuple[Any, ...]]:
+    """Per node, what :func:`_match` compares: name, edges and bytes; for the loss's nodes
+    (``inside`` False) name and edges only. A loss kernel may return, on real tensors, a view
+    of a larger buffer that a fake trace makes alone: ``F.mse_loss`` on the CPU returns a 0-d
+    view of its elementwise buffer (4 KiB captured, 4 B traced fake), and an equal graph was
+    refused. The model's nodes keep their bytes: they tell another batch shape apart."""
+    return [
+        (n.name, n.inputs, n.out_bytes, n.saved_bytes)
+        if inside is None or inside[i]
+        else (n.name, n.inputs)
+        for i, n in enumerate(graph.nodes)
+    ]
 
 
 def _match(graph: Graph, traces: dict[str, GraphTrace]) -> GraphTrace:
-    """The level whose traced graph is ``graph`` (same names, edges and bytes)."""
-    want = _structure(graph)
+    """The level whose traced graph is ``graph`` (same names, edges and bytes; the loss's
+    nodes: names and edges, :func:`_structure`)."""
     for trace in traces.values():
-        if _structure(trace.graph) == want:
+        if len(trace.graph.nodes) == graph.n and _structure(
+            trace.graph, trace.node_inside
+        ) == _structure(graph, trace.node_inside):
             return trace
+    want = _structure(graph)
     names = [n.name for n in graph.nodes]
     diffs = []
     for level, trace in traces.items():
