@@ -193,6 +193,69 @@ def test_a_buffer_updated_in_forward_is_updated_once_per_step(layer: type) -> No
     assert _peak(planned, lambda m: m(x).sum(), x) <= budget
 
 
+class WeightAverage(nn.Module):
+    """A layer that keeps a moving average of its weight, updated in its forward (a buffer
+    as large as the weight; in place, or by assigning a new tensor with ``reassign``)."""
+
+    def __init__(self, width: int, reassign: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("avg", torch.zeros(width, width))
+        self.reassign = reassign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                if self.reassign:
+                    self.avg = 0.9 * self.avg + 0.1 * self.lin.weight
+                else:
+                    self.avg.mul_(0.9).add_(0.1 * self.lin.weight)
+        return F.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    ("reassign", "at_minimum"),
+    [
+        (False, False),
+        (False, True),
+        (True, False),
+        pytest.param(
+            True,
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a buffer the forward assigns anew is under-counted by the capture itself: "
+                "this model's unplanned step measured 524,280 B above its prediction",
+            ),
+        ),
+    ],
+)
+def test_large_buffers_updated_in_forward_within_the_budget(
+    reassign: bool, at_minimum: bool
+) -> None:
+    # the executor keeps, per checkpointed segment, a copy of the buffers its forward writes
+    # (so that a recomputation starts where the forward did): uncounted, 8 blocks with a
+    # weight-sized moving average measured 23,935,112 B at the named minimum 11,315,784 B
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[WeightAverage(256, reassign) for _ in range(8)])
+
+    x = torch.randn(512, 256)
+    kw: dict[str, Any] = {"loop": "loss-only"}
+    least, budget = _binding(build, x, optimizer=torch.optim.SGD(build().parameters()), **kw)
+    budget = least if at_minimum else budget
+    model, reference = build(), build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    planned, summary = _auto(model, x, budget=budget, optimizer=opt, **kw)
+    assert _has_checkpoint(summary.plan)
+    measured = _peak(planned, lambda m: m(x).sum(), x, opt)
+    assert measured <= summary.predicted_peak_bytes <= budget, (measured, summary.plan.describe())
+    planned.zero_grad(set_to_none=True)
+    for m in (planned, reference):
+        m(x).sum().backward()
+    _assert_same_grads(planned, reference)  # lr=0: the weights are the reference's
+
+
 def test_a_buffer_updated_in_forward_on_the_graph_path() -> None:
     class SkipAveraging(Skip):
         def __init__(self) -> None:

@@ -419,10 +419,11 @@ def scalar_costs(
     allocator block each takes, :func:`remat.measure.events.allocated_bytes`)."""
     kept = captured.forward_kept_bytes
     small = captured.small_scratch_bytes
-    copies = () if isinstance(captured, GraphTrace) else captured.recompute_kept_bytes
+    graph = isinstance(captured, GraphTrace)
     return {
         "forward_kept_bytes": kept if any(kept) else (),
-        "recompute_kept_bytes": copies,
+        "recompute_kept_bytes": () if graph else captured.recompute_kept_bytes,
+        "buffer_copy_bytes": () if graph else captured.buffer_copy_bytes,
         "op_scratch_bytes": small if any(f or b for f, b in small) else (),
         "loss_bytes": allocated_bytes(captured.loss_bytes, device),
     }

@@ -198,6 +198,35 @@ class BufferSnapshot:
                 b.copy_(saved)
 
 
+class BufferWrites:
+    """The buffers of each of ``modules`` (and their submodules) as they are now, to tell after
+    a run which ones it wrote: a new tensor assigned to the name, or an in-place write (the
+    version counter moved). Batch norm's running statistics are left out (:func:`running_stat`:
+    the chain executor replays them apart)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.slots = [
+            [
+                (m, name, b, b._version)
+                for m in module.modules()
+                for name, b in m._buffers.items()
+                if b is not None and not running_stat(m, name)
+            ]
+            for module in modules
+        ]
+
+    def written_bytes(self) -> tuple[int, ...]:
+        """Per module, the unique bytes of the buffers written since construction."""
+        out = []
+        for slots in self.slots:
+            found: dict[int, int] = {}
+            for m, name, b, version in slots:
+                if m._buffers.get(name) is not b or b._version != version:
+                    found[id(b)] = b.numel() * b.element_size()
+            out.append(sum(found.values()))
+        return tuple(out)
+
+
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 

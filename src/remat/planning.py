@@ -255,8 +255,12 @@ def _chain_step(
     where ``costs`` keeps a state per segment)."""
     plan = plan.for_chain(chain)
     spans = (
-        tuple(checkpoint_spans(GraphPlan.from_chain_plan(plan, chain)))
-        if costs.checkpoint_state_bytes
+        tuple(
+            checkpoint_spans(
+                GraphPlan.from_chain_plan(plan, chain), copy_bytes=costs.buffer_copy_bytes
+            )
+        )
+        if costs.checkpoint_state_bytes or any(costs.buffer_copy_bytes)
         else ()
     )
     return chain_timeline(chain, plan), costs, spans

@@ -88,6 +88,7 @@ from remat.core.chain import Chain
 from remat.guards import (
     BatchCopy,
     BufferSnapshot,
+    BufferWrites,
     _versions,
     in_place_input_error,
     running_stat_bytes,
@@ -147,6 +148,11 @@ class Captured:
     """Per stage, the batch-norm running statistics (training mode) of its modules: what the
     chain executor copies when it recomputes the stage, kept by the recomputed backward
     (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`). Empty when none."""
+    buffer_copy_bytes: tuple[int, ...] = ()
+    """Per stage, the bytes of the buffers its forward wrote when captured (batch norm's
+    running statistics left out), which the chain executor copies around a checkpoint
+    (:attr:`remat.core.step.StepCosts.buffer_copy_bytes`). Empty when none, and under fake
+    tensors (not known there)."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage, the wrapped scalars its forward saves without the saved-tensor hooks
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
@@ -259,6 +265,7 @@ def _capture(
     time_model: TimeModel | None = None,
     compile: Mapping[str, Any] | None = None,
 ) -> Captured:
+    copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode:
             chain, rises, output, kept, small = _measure_chain(
@@ -266,6 +273,7 @@ def _capture(
             )
     else:
         buffers = BufferSnapshot(model)
+        writes = BufferWrites(split.modules)
         grads = {p: p.grad for p in model.parameters()}
         devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
         private = BatchCopy(batch)  # the model may write into its input: never the caller's
@@ -275,6 +283,7 @@ def _capture(
                 chain, rises, output, kept, small = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
+            copies = writes.written_bytes()
         finally:
             buffers.restore()
             for p, g in grads.items():
@@ -288,6 +297,7 @@ def _capture(
         small_scratch_bytes=small,
         forward_kept_bytes=kept,
         recompute_kept_bytes=stats if any(stats) else (),
+        buffer_copy_bytes=copies if any(copies) else (),
     )
 
 

@@ -197,15 +197,20 @@ def graph_step_peak(
 
 
 def checkpoint_spans(
-    plan: GraphPlan, order: Sequence[int] | None = None, random_calls: Sequence[int] | None = None
-) -> tuple[tuple[int, int], ...]:
+    plan: GraphPlan,
+    order: Sequence[int] | None = None,
+    random_calls: Sequence[int] | None = None,
+    copy_bytes: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], ...]:
     """Per top-level segment of ``plan``, ``(its first node in ``order``, the checkpointed
     segments in its subtree)``: what :func:`remat.core.step.segment_state_bytes` reads. The
     segment's checkpoint lives from that node's first forward to its backward, the segment's
     last (as :func:`lower_plan` keeps the segment's frame); on a chain's path graph
     (:meth:`GraphPlan.from_chain_plan`) node ``i`` is stage ``i + 1``. With ``random_calls``
     (per node), the count is the random calls of the segment's nodes instead: the states the
-    graph executor saves."""
+    graph executor saves. With ``copy_bytes`` (per node: the chain executor's copies of the
+    buffers each forward writes, :attr:`remat.core.step.StepCosts.buffer_copy_bytes`), a
+    third number: those bytes summed over the nodes of every segment in the subtree."""
     pos = {v: i for i, v in enumerate(order)} if order is not None else None
 
     def first(seg: GraphSegment) -> int:
@@ -216,7 +221,13 @@ def checkpoint_spans(
             return sum(1 for _ in seg.walk())
         return sum(random_calls[v] for v in seg.nodes)
 
-    return tuple((first(s), count(s)) for s in plan.segments)
+    if not copy_bytes or not any(copy_bytes):
+        return tuple((first(s), count(s)) for s in plan.segments)
+
+    def copies(seg: GraphSegment) -> int:
+        return sum(copy_bytes[v] for inner in seg.walk() for v in inner.nodes)
+
+    return tuple((first(s), count(s), copies(s)) for s in plan.segments)
 
 
 def lower_plan(

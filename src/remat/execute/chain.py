@@ -326,7 +326,8 @@ class _BuffersWrittenOnce:
     recomputation's saved tensors identical to the forward's: batch norm's backward node saves
     the running statistics as well. The copies from before the forward live until the
     segment's backward: the written buffers' bytes once per checkpointed segment (a moving
-    average's or spectral norm's vectors), which the step's prediction does not count. The
+    average's or spectral norm's vectors), counted with the recomputation's throw-away copies
+    (:attr:`remat.core.step.StepCosts.buffer_copy_bytes`). The
     recomputation's copies of batch norm's running statistics, which its backward saves, live
     until that backward: counted (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`).
 
