@@ -213,29 +213,16 @@ class WeightAverage(nn.Module):
         return F.gelu(self.lin(x))
 
 
-@pytest.mark.parametrize(
-    ("reassign", "at_minimum"),
-    [
-        (False, False),
-        (False, True),
-        (True, False),
-        pytest.param(
-            True,
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a buffer the forward assigns anew is under-counted by the capture itself: "
-                "this model's unplanned step measured 524,280 B above its prediction",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("reassign", [False, True])
+@pytest.mark.parametrize("at_minimum", [False, True])
 def test_large_buffers_updated_in_forward_within_the_budget(
     reassign: bool, at_minimum: bool
 ) -> None:
     # the executor keeps, per checkpointed segment, a copy of the buffers its forward writes
     # (so that a recomputation starts where the forward did): uncounted, 8 blocks with a
-    # weight-sized moving average measured 23,935,112 B at the named minimum 11,315,784 B
+    # weight-sized moving average measured 23,935,112 B at the named minimum 11,315,784 B.
+    # Reassigned (a new tensor each step), the measurement itself was off: the profiler saw
+    # no free of the old buffer, made before it started (remat.measure.events.step_peak_bytes)
     def build() -> nn.Sequential:
         torch.manual_seed(0)
         return nn.Sequential(*[WeightAverage(256, reassign) for _ in range(8)])
