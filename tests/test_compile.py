@@ -724,3 +724,23 @@ def test_each_one_graph_plan_of_a_process_is_compiled_past_dynamos_recompile_lim
         planned = remat.apply(model, plan, compile={"backend": "aot_eager"}, one_graph=True)
         planned(x).sum().backward()
     assert graphs_and_breaks() == (len(plans), 0), dict(counters["stats"])
+
+
+def test_more_stages_of_one_class_than_dynamos_recompile_limit_all_compile() -> None:
+    # stages of one class share their forward's code object, and dynamo keeps at most
+    # recompile_limit (8) graphs per code object: the 9th shape and on ran eagerly (DenseNet-121's
+    # dense-layer groups in `remat bench compile`), so their compiled costs were eager ones
+    from remat.capture.chain import capture
+
+    widths = [8 * (i + 1) for i in range(11)]
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)])
+    torch._dynamo.reset()
+    counters.clear()
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        capture(model, torch.randn(4, 8), compile={"backend": "aot_eager"})
+        assert counters["stats"]["unique_graphs"] == len(model) > 8
+        assert not counters["unimplemented"], dict(counters["unimplemented"])
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()

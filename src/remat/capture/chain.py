@@ -75,6 +75,7 @@ import contextlib
 import statistics
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,14 @@ def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[
     backward graph, its compiled forward alone saved 4.5 MB (docs/results/compile/README.md).
     Stages with the same code (a model's blocks) share one compilation."""
     opts = {"dynamic": False, **options}
+    # stages of one class share the forward's code, and dynamo caches its graphs per code
+    # object: one per shape, at most ``recompile_limit`` (8), then the rest ran eagerly
+    # (DenseNet-121's dense-layer groups: 15 input widths); the limit is raised to the most
+    # stages sharing one code object
+    shared = Counter(getattr(type(m).forward, "__code__", None) for m in split.modules)
+    most = max(shared.values(), default=0)
+    if most > torch._dynamo.config.recompile_limit:
+        torch._dynamo.config.recompile_limit = most
     return tuple(torch.compile(module, **opts) for module in split.modules)
 
 
