@@ -41,6 +41,24 @@ def test_segment_states_live_from_forward_to_backward() -> None:
     assert no_forks == [10, 30, 30, 30, 30, 30, 10]
 
 
+def test_written_buffer_copies_live_with_their_segment_and_again_while_it_recomputes() -> None:
+    # a third number per segment: the bytes of the written buffers its checkpoints copy, held
+    # from its forward to its backward, and once more while that segment recomputes
+    timeline = [
+        StepEvent(False, 0, 0, 0),
+        StepEvent(False, 1, 0, 0),
+        StepEvent(False, 2, 0, 0),
+        StepEvent(True, 2, 0, 0),
+        StepEvent(False, 1, 0, 0),  # the segment at 1 recomputes: its copies once more
+        StepEvent(True, 1, 0, 0),
+        StepEvent(True, 0, 0, 0),
+    ]
+    spans = [(0, 1, 100), (1, 2, 50)]
+    assert segment_state_bytes(timeline, spans, 10) == [110, 180, 180, 180, 240, 180, 110]
+    costs = StepCosts(0, (0, 0, 0), checkpoint_state_bytes=0, buffer_copy_bytes=(100, 0, 50))
+    assert max(event_step_bytes(timeline, costs, spans)) == 200  # without states: 150 + 50
+
+
 def test_the_predicted_step_counts_only_the_states_still_held() -> None:
     # wide layers, a small batch: the gradients make the peak, at the end of the backward,
     # where one segment's RNG state is left, not all eight (they were counted all step)

@@ -29,10 +29,11 @@ How a combination is predicted (NOTE [ What fit predicts ]):
   microbatch tried) or given (``precision_factors={"bf16": 0.5}``). On a CPU without bf16
   matrix instructions the factor is large (about 9x for a WideResNet on the 2-core EPYC
   this was written on), so bf16 is chosen there only when nothing in fp32 fits;
-* predicted peak = persistent state (parameters, buffers, optimizer state measured on fake
-  tensors, sparsity masks) + the batch + parameter gradients + the plan's simulated activation
-  peak. With one microbatch and an optimizer the gradients appear as the backward reaches
-  them (:func:`remat.auto.total_peak_bytes`); from the second microbatch on (and in a step
+* predicted peak = the one whole-step model of :func:`remat.auto` (:func:`remat.auto.step_costs`
+  of the candidate's capture: persistent state, the optimizer state measured on fake tensors,
+  parameter gradients, the plan's simulated activations and the small tensors the capture
+  sees) + sparsity masks + the batch beyond the microbatch + the microbatcher's weighted loss.
+  With one microbatch and an optimizer the gradients appear as the backward reaches them; from the second microbatch on (and in a step
   without an optimizer, where gradients persist) all of them are live. The optimizer step's own
   transients (Adam's ``sqrt``/division temporaries, measured on fake tensors with the
   ``foreach`` choice the real optimizer makes, :func:`remat.measure.profile.optimizer_costs`) bound it

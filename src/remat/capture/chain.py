@@ -129,7 +129,7 @@ class Captured:
     grad_rise_bytes: tuple[int, ...] = ()
     """Per stage, how much the parameter gradients its backward makes raise that backward's
     peak (0 when they appear after it, at most their size when they are all live at it). The
-    whole-step prediction (:func:`remat.auto.total_peak_bytes`) uses it; empty when unknown."""
+    whole-step prediction (:func:`remat.auto.step_costs`) uses it; empty when unknown."""
     output_bytes: int = 0
     """Unique bytes of what the model returns (``Stages.finish``: e.g. the logits, and a Hugging
     Face model's loss), parameters, buffers and the batch excluded: what a training loop that

@@ -1,6 +1,7 @@
 """The whole training step's peak: :class:`StepCosts` and :func:`step_peak`, the one model of
-the step that the chain path (:func:`remat.auto.total_peak_bytes`), the graph path
-(:func:`remat.graphs.simulate_step_peak`) and :func:`remat.fit` share.
+the step that the chain and graph paths of :func:`remat.auto`, :func:`remat.fit` and
+:func:`remat.distributed.auto_distributed` share (their costs built in one place,
+:func:`remat.auto.step_costs`).
 
 A simulator (:func:`remat.simulate`, :func:`remat.graphs.simulate_graph`) gives the plan's
 activation timeline; this module adds what lives beside the activations:
