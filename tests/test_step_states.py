@@ -22,17 +22,21 @@ from remat.execute.chain import apply
 from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
 
+#: Stages 0-2 forward, stage 2's backward, stage 1 recomputed (no new checkpoint, the RNG
+#: forked aside), then the backwards of 1 and 0.
+_TIMELINE = [
+    StepEvent(False, 0, 0, 0),
+    StepEvent(False, 1, 0, 0),
+    StepEvent(False, 2, 0, 0),
+    StepEvent(True, 2, 0, 0),
+    StepEvent(False, 1, 0, 0),
+    StepEvent(True, 1, 0, 0),
+    StepEvent(True, 0, 0, 0),
+]
+
 
 def test_segment_states_live_from_forward_to_backward() -> None:
-    timeline = [
-        StepEvent(False, 0, 0, 0),
-        StepEvent(False, 1, 0, 0),
-        StepEvent(False, 2, 0, 0),
-        StepEvent(True, 2, 0, 0),
-        StepEvent(False, 1, 0, 0),  # recomputation: no new checkpoint, the RNG forked aside
-        StepEvent(True, 1, 0, 0),
-        StepEvent(True, 0, 0, 0),
-    ]
+    timeline = _TIMELINE
     # segments starting at stages 0 and 1; the one at 1 holds a nested checkpoint (2 states);
     # torch's checkpoint keeps the current RNG state aside while it recomputes (fork_rng)
     assert segment_state_bytes(timeline, [(0, 1), (1, 2)], 10) == [10, 30, 30, 30, 40, 30, 10]
@@ -44,15 +48,7 @@ def test_segment_states_live_from_forward_to_backward() -> None:
 def test_written_buffer_copies_live_with_their_segment_and_again_while_it_recomputes() -> None:
     # a third number per segment: the bytes of the written buffers its checkpoints copy, held
     # from its forward to its backward, and once more while that segment recomputes
-    timeline = [
-        StepEvent(False, 0, 0, 0),
-        StepEvent(False, 1, 0, 0),
-        StepEvent(False, 2, 0, 0),
-        StepEvent(True, 2, 0, 0),
-        StepEvent(False, 1, 0, 0),  # the segment at 1 recomputes: its copies once more
-        StepEvent(True, 1, 0, 0),
-        StepEvent(True, 0, 0, 0),
-    ]
+    timeline = _TIMELINE  # the segment at 1 recomputes stage 1: its copies once more
     spans = [(0, 1, 100), (1, 2, 50)]
     assert segment_state_bytes(timeline, spans, 10) == [110, 180, 180, 180, 240, 180, 110]
     costs = StepCosts(0, (0, 0, 0), checkpoint_state_bytes=0, buffer_copy_bytes=(100, 0, 50))
