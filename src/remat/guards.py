@@ -177,11 +177,15 @@ class BufferSnapshot:
     slot's tensor and a copy of its values. A forward may update a buffer in place (batch
     norm's running statistics, a moving average) or assign a new tensor to its name
     (``self.calls = self.calls + 1``); :meth:`restore` undoes both (copying values back into
-    the buffers alone missed the second: the capture's steps stayed counted)."""
+    the buffers alone missed the second: the capture's steps stayed counted). It writes only
+    the buffers a run may have written (a new tensor, a moved version counter, or batch norm's
+    running statistics, which the native kernel writes without moving it): writing every one
+    back moved the version counters of buffers no forward writes (GPT-2's causal mask), and
+    :class:`BufferWrites` then took them for written."""
 
     def __init__(self, model: nn.Module) -> None:
         self.slots = [
-            (m, name, b, b.detach().clone())
+            (m, name, b, b.detach().clone(), b._version)
             for m in model.modules()
             for name, b in m._buffers.items()
             if b is not None
@@ -189,13 +193,17 @@ class BufferSnapshot:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [b for _, _, b, _ in self.slots]
+        return [b for _, _, b, _, _ in self.slots]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for m, name, b, saved in self.slots:
+            for m, name, b, saved, version in self.slots:
+                if m._buffers.get(name) is b and b._version == version:
+                    if not running_stat(m, name):
+                        continue
                 m._buffers[name] = b
                 b.copy_(saved)
+        self.slots = [(m, name, b, saved, b._version) for m, name, b, saved, _ in self.slots]
 
 
 class BufferWrites:
