@@ -844,3 +844,36 @@ def test_mse_loss_on_the_graph_path(at_minimum: bool) -> None:
     step(reference).backward()
     step(planned_model).backward()
     _assert_same_grads(planned_model, reference)
+
+
+class _InferenceBuffer(nn.Module):
+    """A block with a buffer made under ``torch.inference_mode`` (read, never written)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        with torch.inference_mode():
+            self.register_buffer("shift", torch.full((width,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x) + self.shift)
+
+
+def test_a_buffer_made_in_inference_mode() -> None:
+    # inference tensors have no version counter: the capture's buffer snapshot read it and
+    # raised "Inference tensors do not track version counter" (before that, its restore wrote
+    # into the buffer: "Inplace update to inference tensor outside InferenceMode")
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[_InferenceBuffer(128) for _ in range(6)])
+
+    x = torch.randn(512, 128)
+    _, budget = _binding(build, x)
+    model, reference = build(), build()
+    planned, summary = _auto(model, x, budget=budget)
+    assert _has_checkpoint(summary.plan)
+    assert _peak(planned, lambda m: m(x).sum(), x) <= budget
+    planned.zero_grad(set_to_none=True)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_same_grads(planned, reference)

@@ -105,7 +105,9 @@ def in_place_input_error(stage: int, name: str) -> InPlaceInputError:
     )
 
 
-def _version(t: torch.Tensor) -> int:
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (in-place writes move it); 0 for an inference tensor, which has
+    none (and cannot be written in place outside inference mode)."""
     try:
         return int(t._version)
     except RuntimeError:  # inference tensors have no version counter
@@ -113,7 +115,7 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    return [_version(t) for t in tensors]
+    return [tensor_version(t) for t in tensors]
 
 
 class BatchCopy:
@@ -155,7 +157,7 @@ class BatchCopy:
                 new.set_(self._storages[key][1], t.storage_offset(), t.size(), t.stride())
                 new.requires_grad_(t.requires_grad)
             memo[id(t)] = new
-            self._tensors.append((new, key, _version(new)))
+            self._tensors.append((new, key, tensor_version(new)))
             return new
 
         self.batch: Any = tree_map_only(torch.Tensor, copy, batch)
@@ -163,12 +165,12 @@ class BatchCopy:
 
     def restore(self) -> Any:
         """Put the original values back where a run wrote into :attr:`batch`; returns it."""
-        written = {key for t, key, version in self._tensors if _version(t) != version}
+        written = {key for t, key, version in self._tensors if tensor_version(t) != version}
         for key in written:
             source, target = self._storages[key]
             target.copy_(source)
         if written:
-            self._tensors = [(t, key, _version(t)) for t, key, _ in self._tensors]
+            self._tensors = [(t, key, tensor_version(t)) for t, key, _ in self._tensors]
         return self.batch
 
 
@@ -185,7 +187,7 @@ class BufferSnapshot:
 
     def __init__(self, model: nn.Module) -> None:
         self.slots = [
-            (m, name, b, b.detach().clone(), b._version)
+            (m, name, b, b.detach().clone(), tensor_version(b))
             for m in model.modules()
             for name, b in m._buffers.items()
             if b is not None
@@ -198,12 +200,12 @@ class BufferSnapshot:
     def restore(self) -> None:
         with torch.no_grad():
             for m, name, b, saved, version in self.slots:
-                if m._buffers.get(name) is b and b._version == version:
+                if m._buffers.get(name) is b and tensor_version(b) == version:
                     if not running_stat(m, name):
                         continue
                 m._buffers[name] = b
                 b.copy_(saved)
-        self.slots = [(m, name, b, saved, b._version) for m, name, b, saved, _ in self.slots]
+        self.slots = [(m, name, b, saved, tensor_version(b)) for m, name, b, saved, _ in self.slots]
 
 
 class BufferWrites:
@@ -215,7 +217,7 @@ class BufferWrites:
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.slots = [
             [
-                (m, name, b, b._version)
+                (m, name, b, tensor_version(b))
                 for m in module.modules()
                 for name, b in m._buffers.items()
                 if b is not None and not running_stat(m, name)
@@ -229,7 +231,7 @@ class BufferWrites:
         for slots in self.slots:
             found: dict[int, int] = {}
             for m, name, b, version in slots:
-                if m._buffers.get(name) is not b or b._version != version:
+                if m._buffers.get(name) is not b or tensor_version(b) != version:
                     found[id(b)] = b.numel() * b.element_size()
             out.append(sum(found.values()))
         return tuple(out)

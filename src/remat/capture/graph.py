@@ -110,6 +110,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.capture.chain import unhooked_saves
 from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
+from remat.guards import tensor_version as _version
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
     allocation_bytes,
@@ -601,13 +602,6 @@ class _RandomWatch(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         finally:
             self.state.dispatching -= 1
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference tensors have no version counter
-        return 0
 
 
 def _op_name(func: Callable[..., Any]) -> str:

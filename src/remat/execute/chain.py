@@ -54,6 +54,7 @@ from remat.guards import (
     check_not_wrapped,
     in_place_input_error,
     running_stat,
+    tensor_version,
 )
 from remat.measure.profile import loss_from_output
 
@@ -372,7 +373,7 @@ class _WriteWatch:
     def __enter__(self) -> None:
         guard = self.guard
         known = guard.segment.written
-        guard._before = [(b, b._version if b is not None else 0) for b in self._now()]
+        guard._before = [(b, tensor_version(b) if b is not None else 0) for b in self._now()]
         with torch.no_grad():
             guard._copies = {
                 i: b.clone()
@@ -387,7 +388,9 @@ class _WriteWatch:
             for i, ((m, n), (b, version), now) in enumerate(
                 zip(guard.slots, guard._before, self._now(), strict=True)
             )
-            if now is not b or (b is not None and b._version != version) or _running_stat(m, n)
+            if now is not b
+            or (b is not None and tensor_version(b) != version)
+            or _running_stat(m, n)
         ]
         guard.written = []
         for i in written:
@@ -396,7 +399,7 @@ class _WriteWatch:
             if not _running_stat(m, n):
                 b, version = guard._before[i]
                 before = guard._copies.get(i)
-                if before is None and b is not None and b._version == version:
+                if before is None and b is not None and tensor_version(b) == version:
                     before = b  # reassigned, the old tensor untouched: it is the value before
             guard.written.append((m, n, before))
         seen = {i for i in written if not _running_stat(*guard.slots[i])}

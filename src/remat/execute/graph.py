@@ -85,6 +85,7 @@ from remat.execute.chain import (
     step_state,
 )
 from remat.guards import check_no_own_checkpointing
+from remat.guards import tensor_version as _version
 from remat.measure.profile import LossFn, default_loss_fn
 
 __all__ = ["apply_graph", "GraphPlannedModule", "GraphExecutionError", "executed_plan"]
@@ -592,13 +593,6 @@ def _check_kept(ref: _Ref, tensor: torch.Tensor, version: int) -> torch.Tensor:
             "in-place operation"
         )
     return tensor
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return 0
 
 
 def _cuda_devices(recipes: Sequence[_Recipe]) -> list[int]:
