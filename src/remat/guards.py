@@ -174,6 +174,18 @@ class BatchCopy:
         return self.batch
 
 
+def buffer_slots(*modules: nn.Module) -> dict[tuple[nn.Module, str], torch.Tensor]:
+    """Every buffer slot ``(owner module, name)`` of ``modules`` and their submodules, once
+    each, with the tensor in it now."""
+    return {
+        (m, name): b
+        for root in modules
+        for m in root.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    }
+
+
 class BufferSnapshot:
     """A model's buffers now, to be put back after a measuring or checking run: each buffer
     slot's tensor and a copy of its values. A forward may update a buffer in place (batch
@@ -188,9 +200,7 @@ class BufferSnapshot:
     def __init__(self, model: nn.Module) -> None:
         self.slots = [
             (m, name, b, b.detach().clone(), tensor_version(b))
-            for m in model.modules()
-            for name, b in m._buffers.items()
-            if b is not None
+            for (m, name), b in buffer_slots(model).items()
         ]
 
     @property
@@ -218,9 +228,8 @@ class BufferWrites:
         self.slots = [
             [
                 (m, name, b, tensor_version(b))
-                for m in module.modules()
-                for name, b in m._buffers.items()
-                if b is not None and not running_stat(m, name)
+                for (m, name), b in buffer_slots(module).items()
+                if not running_stat(m, name)
             ]
             for module in modules
         ]
@@ -254,9 +263,9 @@ def running_stat(m: nn.Module, name: str) -> bool:
 def running_stat_bytes(module: nn.Module) -> int:
     """Unique bytes of the running statistics (:func:`running_stat`) of ``module``'s
     submodules."""
-    found: dict[int, int] = {}
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and running_stat(m, name):
-                found[id(b)] = b.numel() * b.element_size()
+    found = {
+        id(b): b.numel() * b.element_size()
+        for (m, name), b in buffer_slots(module).items()
+        if running_stat(m, name)
+    }
     return sum(found.values())

@@ -50,6 +50,7 @@ from remat.core.plan import Plan, PlanError, Segment
 from remat.guards import (
     InPlaceInputError,
     _versions,
+    buffer_slots,
     check_no_own_checkpointing,
     check_not_wrapped,
     in_place_input_error,
@@ -286,17 +287,6 @@ class SignaturePlans:
 
 
 # ---------------------------------------------------------------------- buffers
-def _buffer_slots(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
-    """Every buffer slot (owner module, name) of ``modules`` and their submodules, once each."""
-    found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
-    for root in modules:
-        for m in root.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    found[(id(m), name)] = (m, name)
-    return list(found.values())
-
-
 class _SegmentBuffers:
     """A checkpointed segment's buffer slots and which of them its forwards were seen to write
     (learned at its first forward, kept across steps: :class:`_BuffersWrittenOnce` copies only
@@ -378,11 +368,13 @@ class _WriteWatch:
             guard._copies = {
                 i: b.clone()
                 for i, ((m, n), (b, _)) in enumerate(zip(guard.slots, guard._before, strict=True))
-                if b is not None and not _running_stat(m, n) and (known is None or i in known)
+                if b is not None and not running_stat(m, n) and (known is None or i in known)
             }
 
     def __exit__(self, *exc: object) -> None:
         guard = self.guard
+        # batch norm's running statistics count as written: the native kernel writes them
+        # without moving their version counter
         written = [
             i
             for i, ((m, n), (b, version), now) in enumerate(
@@ -390,32 +382,25 @@ class _WriteWatch:
             )
             if now is not b
             or (b is not None and tensor_version(b) != version)
-            or _running_stat(m, n)
+            or running_stat(m, n)
         ]
         guard.written = []
         for i in written:
             m, n = guard.slots[i]
             before: torch.Tensor | None = None
-            if not _running_stat(m, n):
+            if not running_stat(m, n):
                 b, version = guard._before[i]
                 before = guard._copies.get(i)
                 if before is None and b is not None and tensor_version(b) == version:
                     before = b  # reassigned, the old tensor untouched: it is the value before
             guard.written.append((m, n, before))
-        seen = {i for i in written if not _running_stat(*guard.slots[i])}
+        seen = {i for i in written if not running_stat(*guard.slots[i])}
         known = guard.segment.written
         guard.segment.written = seen if known is None else known | seen
         guard._before, guard._copies = [], {}
 
     def _now(self) -> list[Any]:
         return [m._buffers.get(n) for m, n in self.guard.slots]
-
-
-def _running_stat(m: nn.Module, name: str) -> bool:
-    """A running statistic batch norm updates in training mode (:func:`remat.guards.
-    running_stat`): the native kernel writes it without bumping its version counter, so it is
-    not seen as written otherwise."""
-    return running_stat(m, name)
 
 
 # ---------------------------------------------------------------------- the executor
@@ -440,7 +425,7 @@ class _Executor:
         for seg in plan.walk():
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
-                self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(_buffer_slots(mods))
+                self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(list(buffer_slots(*mods)))
         self.compiled: tuple[Callable[[Any], Any], ...] | None = None
         """Per stage, its compiled graph (per-stage mode), else None."""
         self.compiled_step: Callable[..., Any] | None = None

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from remat.guards import buffer_slots
+
 __all__ = [
     "AllocatorWindow",
     "output_tensors",
@@ -226,7 +228,7 @@ def step_peak_bytes(
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    before = _buffer_slots(model)
+    before = buffer_slots(model)
     for _ in range(warmup):
         step()
     # a buffer the forward assigns anew each step (``self.avg = 0.9 * self.avg + ...``): the
@@ -235,7 +237,7 @@ def step_peak_bytes(
     # measured 1,048,568 B above their unplanned step). Such buffers (replaced during the
     # warm-up) are copied inside the profiler's window, before the step: their frees are seen
     reassigned = [
-        (m, name) for (m, name), b in _buffer_slots(model).items() if before.get((m, name)) is not b
+        (m, name) for (m, name), b in buffer_slots(model).items() if before.get((m, name)) is not b
     ]
     persistent = unique_storage_bytes(_state_tensors(model, optimizer, inputs))
     # NOTE [ Collect before measuring ]: garbage from before (a refused budget's traceback
@@ -334,13 +336,6 @@ def small_scratch_bytes(allocator_peak: int, tracked_peak: int) -> int:
 
 
 _MEASURED_STEP = "remat::measured_step"
-
-
-def _buffer_slots(model: torch.nn.Module) -> dict[tuple[Any, str], Any]:
-    """Every buffer slot ``(module, name)`` of ``model`` and the tensor in it now."""
-    return {
-        (m, name): b for m in model.modules() for name, b in m._buffers.items() if b is not None
-    }
 
 
 def _running_peak(prof: Any, within: str | None = None) -> int:
