@@ -14,12 +14,14 @@ from remat.measure.events import step_peak_bytes, unique_storage_bytes
 
 
 def measured_and_predicted(
-    model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: GraphPlan
+    model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: GraphPlan, data: Any = None
 ) -> tuple[int, int, int]:
     """The whole step's peak counted from the allocator's events (remat.measure.events), its
     prediction from the graph (graph_step_peak, with the scalars the capture found:
     remat.auto.scalar_costs), and the fixed bytes (parameters, buffers)
-    both include. The step starts with no parameter gradient."""
+    both include (with ``data``, default ``batch``: the tensors the step reads that live
+    before it, a target ``loss_fn`` reads among them). The step starts with no parameter
+    gradient."""
     run = apply_graph(model, plan, trace.graph, batch, loss_fn)
 
     def one_step() -> None:
@@ -27,7 +29,7 @@ def measured_and_predicted(
         for p in model.parameters():
             p.grad = None
 
-    measured = step_peak_bytes(one_step, model, None, batch)
+    measured = step_peak_bytes(one_step, model, None, batch if data is None else data)
     fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
     device = next((p.device for p in model.parameters()), None)
     costs = StepCosts(

@@ -188,6 +188,6 @@ def test_a_merged_output_the_program_holds_is_counted():
     first = graph.index("bert.encoder.layer.0.attention.self.key")
     plan = GraphPlan.from_segments([range(first, norm + 1)])
     measured, predicted, _ = measured_and_predicted(
-        loop.module, loop.batch, loop.loss_fn, trace, plan
+        loop.module, loop.batch, loop.loss_fn, trace, plan, loop.data
     )
     assert measured <= predicted <= measured + 64, (measured, predicted)

@@ -683,7 +683,10 @@ class Record:
 
 class Loop:
     """One loop shape on one built model: the module that is planned, the batch ``auto`` sees,
-    its ``loss_fn`` and the step's loss."""
+    its ``loss_fn``, the step's loss, and ``data``: the batch tensors counted as the step's
+    persistent bytes when it is measured (those ``auto`` sees: the batch, and in loop (c) the
+    target ``loss_fn`` reads, which the capture counts; in loop (a) the criterion's target lies
+    outside what ``auto`` is given)."""
 
     def __init__(self, built: Built, shape: str) -> None:
         self.built, self.shape = built, shape
@@ -706,6 +709,7 @@ class Loop:
             self.loss_fn = loss_fn
         else:
             raise ValueError(f"loop shape {shape!r}: one of {LOOPS}")
+        self.data: Any = (self.batch, built.target) if shape == "loss_fn" else self.batch
 
     def step_loss(self, module: nn.Module) -> tuple[Any, torch.Tensor]:
         """``(what the step holds, loss)`` for ``module`` (the planned or the eager one)."""
@@ -739,7 +743,7 @@ def _step_fn(loop: Loop, module: nn.Module, opt: torch.optim.Optimizer) -> Calla
 
 def _measure(loop: Loop, module: nn.Module, opt: torch.optim.Optimizer) -> int:
 
-    return step_peak_bytes(_step_fn(loop, module, opt), module, opt, loop.batch)
+    return step_peak_bytes(_step_fn(loop, module, opt), module, opt, loop.data)
 
 
 def _grads_and_buffers(

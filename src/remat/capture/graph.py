@@ -1082,6 +1082,10 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         v = call_node[c]
         call_node[c] = index.get(roots[v]) if v is not None else None
     graph_nodes, node_calls = _graph_nodes(st, level, nodes, outs, roots, index)
+    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
+    # before the overheads: what a backward holds of its own, so the least it can free
+    # (Node.bwd_overhead_floor), depends on it
+    graph_nodes = [replace(node, keeps_output=own[v]) for v, node in enumerate(graph_nodes)]
     small: tuple[tuple[int, int], ...] = ()
     peak_calls: list[int | None] = [None] * len(graph_nodes)
     if st.memory is not None:
@@ -1092,7 +1096,6 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
             kept[call_node[c]] += nbytes
     param_grads = _param_grad_bytes(st, call_node, len(graph_nodes))
     rise = _grad_rise_bytes(st, graph_nodes, call_node) if st.memory is not None else []
-    own = [any(k in nodes[x].self_saved for k in outs[x]) for x in final]
     random_calls = [0] * len(graph_nodes)  # what the graph executor saves an RNG state for
     for rec in calls:
         if rec.random and rec.inside and call_node[rec.index] is not None:
@@ -1105,7 +1108,7 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
         if roots[v] != v and roots[v] in index:
             merged[index[roots[v]]].extend(k for k in outs[v] if owner[k] == v)
     graph_nodes = [
-        replace(node, keeps_output=own[v], random_calls=random_calls[v], held_until=held[v])
+        replace(node, random_calls=random_calls[v], held_until=held[v])
         for v, node in enumerate(graph_nodes)
     ]
     batch_bytes = sum(st.batch_keys.values())
@@ -1634,13 +1637,13 @@ def _overheads(
     for v, node in enumerate(nodes):
         new_grads = input_grads[v]
         fwd = max(0, fwd_peak[v] - node.saved_bytes)
-        bwd = max(0, bwd_peak[v] - new_grads)
+        bwd = max(node.bwd_overhead_floor, bwd_peak[v] - new_grads)
         out.append(replace(node, fwd_overhead_bytes=fwd, bwd_overhead_bytes=bwd))
         # in the simulator's terms too: what the small scratch adds to each overhead
         small.append(
             (
                 max(0, fwd_small[v] - node.saved_bytes) - fwd,
-                max(0, bwd_small[v] - new_grads) - bwd,
+                max(node.bwd_overhead_floor, bwd_small[v] - new_grads) - bwd,
             )
         )
     return out, tuple(small), peak_call
