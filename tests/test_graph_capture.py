@@ -86,35 +86,22 @@ def test_saved_bytes_add_up_to_one_real_forward(traces, name, level):
     assert all_step == trace.batch_bytes + trace.saved_constant_bytes
 
 
-NO_KERNEL_SCRATCH = ("gpt2",)
-"""Models whose CPU kernels allocate no scratch memory of their own (>= 1 KiB): their real and
-fake graphs are byte-identical. Convolutions (oneDNN's weight and input reorders) do."""
-
-
 @pytest.mark.parametrize("name", sorted(SMALL))
 @pytest.mark.parametrize("level", ["module", "op"])
 def test_fake_equals_real_and_counts_flops(traces, name, level):
-    """Same nodes, edges and bytes; the real capture's overheads add the kernel scratch only
-    the allocator sees (fake tensors allocate nothing), so they are >= the fake ones, equal
-    where no kernel allocates scratch (GPT-2), and larger somewhere on the convolutions."""
+    """Same nodes, edges and bytes, overheads included: the real capture's add the kernel
+    scratch only the allocator sees (oneDNN's weight and input reorders in a convolution), the
+    fake capture's what its scratch probe measured running each op once for real
+    (remat.measure.scratch; before it, a fake graph had none)."""
     _, real, fake = traces[name]
     a, b = real[level].graph, fake[level].graph
     assert a.time_unit == "s" and b.time_unit == "flop"
     fields = ("name", "inputs", "out_bytes", "saved_bytes", "saved_inputs", "keeps_output")
     overheads = ("fwd_overhead_bytes", "bwd_overhead_bytes")
     for x, y in zip(a.nodes, b.nodes, strict=True):
-        assert [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
-        for f in overheads:
-            assert getattr(x, f) >= getattr(y, f), (x.name, f)
-    extra = sum(
-        getattr(x, f) - getattr(y, f)
-        for x, y in zip(a.nodes, b.nodes, strict=True)
-        for f in overheads
-    )
-    if name in NO_KERNEL_SCRATCH:
-        assert extra == 0
-    else:
-        assert extra > 0
+        assert [getattr(x, f) for f in (*fields, *overheads)] == [
+            getattr(y, f) for f in (*fields, *overheads)
+        ], x.name
     assert a.input_bytes == b.input_bytes
     assert real[level].param_grad_bytes == fake[level].param_grad_bytes
     assert b.total_fwd_time() > 0 and b.total_bwd_time() > b.total_fwd_time()
@@ -226,13 +213,13 @@ def test_inside_a_running_profiler_capture_warns_and_counts_no_scratch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
     x = torch.randn(2, 3, 16, 16)
-    fake = capture_graph(model, x, level="op", fake=True)
+    outside = capture_graph(model, x, level="op")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with pytest.warns(UserWarning, match="inside a torch.profiler session"):
             inside = capture_graph(model, x, level="op")
     assert prof.profiler is not None  # the user's session is still there
-    for a, b in zip(inside.nodes, fake.nodes, strict=True):
-        assert (a.fwd_overhead_bytes, a.bwd_overhead_bytes) == (
-            b.fwd_overhead_bytes,
-            b.bwd_overhead_bytes,
-        )
+
+    def overheads(graph):
+        return sum(n.fwd_overhead_bytes + n.bwd_overhead_bytes for n in graph.nodes)
+
+    assert overheads(inside) < overheads(outside)  # the convolution's scratch is missing

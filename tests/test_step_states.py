@@ -207,7 +207,7 @@ def test_a_recomputation_holds_the_rng_state_torch_checkpoint_forks_aside() -> N
         loop.loss_fn(planned, loop.batch).backward()
         planned.zero_grad(set_to_none=True)
 
-    measured = step_peak_bytes(step, planned, None, loop.batch)
+    measured = step_peak_bytes(step, planned, None, loop.data)
     predicted = predicted_step_peak_bytes(model, captured, plan)
     assert measured <= predicted <= measured + 64, (measured, predicted)
 

@@ -65,8 +65,10 @@ saved bytes more than predicted; under fake tensors user-named stages are not ch
 the model (the check compares values); a loss function that calls the model more than once is
 refused (``ValueError``: the chain is one forward), and so is a stage that writes into its input
 in place (:class:`remat.execute.chain.InPlaceInputError`: a checkpointed segment starting at it could
-not be recomputed); fake tensors allocate nothing, so a ``fake=True`` capture has no kernel scratch
-memory (oneDNN's convolution and LSTM workspaces: use ``fake=False`` where they matter).
+not be recomputed). Fake tensors allocate nothing: a ``fake=True`` capture measures the kernel
+scratch memory (oneDNN's convolution and batch-norm workspaces) by running each op once for real
+on zeroed tensors (:mod:`remat.measure.scratch`), except ops over its size limit and ops on a
+device the planning process cannot run (it warns).
 """
 
 from __future__ import annotations
@@ -77,12 +79,13 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 
 from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
@@ -99,11 +102,10 @@ from remat.measure.events import (
     AllocatorWindow,
     garbage_collected,
     output_tensors,
-    scratch_bytes,
-    small_scratch_bytes,
     unique_storage_bytes,
 )
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.measure.scratch import ScratchProbe, ScratchWindow
 
 __all__ = [
     "capture_chain",
@@ -200,7 +202,12 @@ class StageCost:
     """``(forward, backward)``: what the allocator saw above the tracked tensors at the peak
     when it is below :data:`remat.measure.events.SCRATCH_MIN_BYTES` (left out of the
     overheads, so that real and fake captures agree): a kernel's small workspace (layer norm's
-    backward, 512 B in ViT's head) or the scalars of Python numbers. 0 on fake tensors."""
+    backward, 512 B in ViT's head) or the scalars of Python numbers."""
+    external: Mapping[int, int] = field(default_factory=dict)
+    """Storages (identity -> bytes) the forward saved that it did not make, outside the input,
+    the parameters and the buffers: a target ``loss_fn`` reads from its closure, a tensor kept
+    on a module as a plain attribute. They live all step, whatever the plan: counted with the
+    chain's input, not in ``saved_bytes``."""
 
 
 def capture_chain(
@@ -268,7 +275,7 @@ def _capture(
 ) -> Captured:
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
-        with fake_step(model, batch) as (mode, fake_batch, _), mode:
+        with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
             chain, rises, output, kept, small = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
@@ -563,6 +570,10 @@ def _measure_chain(
     # made in is dropped: counted with the input, not in that stage's output
     carried = [0] * n
     saved_bytes = [c.saved_bytes for c in costs]
+    external: dict[int, int] = {}  # StageCost.external: counted with the input
+    for c in costs:
+        external.update({k: v for k, v in c.external.items() if k not in skip})
+    input_bytes += sum(external.values())
     for j in range(n - 2):  # passed on by stages j+2 .. n-1, to the last
         for key, nbytes in made[j].items():
             if all(key in later for later in passed[j + 1 : n - 1]):
@@ -660,23 +671,25 @@ def measure_stage(
     # under the allocator's own count too (it also sees kernels' internal scratch memory)
     device = next((t.device for t in x_tensors), None)
     fwd_counter, bwd_counter = _work_counters(fake, time_model)
-    fwd_alloc, bwd_alloc = _allocator_windows(fake, device)
     tracker = StepTracker(timeline=False)
+    fwd_alloc, bwd_alloc = _allocator_windows(fake, device, tracker)
     tracker.track_external(*([track] if track is not None else []), *x_tensors)
     with tracker:
         tracker.start()
         base = tracker.activation_bytes()
         tracker.set_phase("forward")
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack), fwd_counter, fwd_alloc:
-            out = run(_entered(x))
+            with _MadeStorages() as made:
+                out = run(_entered(x))
         fwd_tracked = tracker.window_peak - base
-        fwd_peak = fwd_tracked + scratch_bytes(_peak(fwd_alloc), fwd_tracked)
-        fwd_small = small_scratch_bytes(_peak(fwd_alloc), fwd_tracked)
+        fwd_scratch, fwd_small = fwd_alloc.excess(fwd_tracked)
+        fwd_peak = fwd_tracked + fwd_scratch
         out_tensors = _tensors(out)
         new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
         kept = {**saved, **new_out}
         scalars = unhooked_saved(out_tensors, {**skip, **kept}, device)
-        saved_bytes = sum(kept.values())
+        external = {k: v for k, v in saved.items() if k not in made.keys and k not in new_out}
+        saved_bytes = sum(kept.values()) - sum(external.values())
         seed, grad_bytes = _seed(out_tensors)
         # the seed's own gradient, made before the window: a whole step has no such tensor
         seed_grad = None if seed is None else torch.ones_like(seed)
@@ -691,10 +704,7 @@ def measure_stage(
             if seed is not None:
                 seed.backward(seed_grad)
         # scratch memory only the allocator saw (it counts parameter gradients too)
-        scratch = scratch_bytes(_peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd)
-        bwd_small = small_scratch_bytes(
-            _peak(bwd_alloc), tracker.window_peak_with_grads - start_bwd
-        )
+        scratch, bwd_small = bwd_alloc.excess(tracker.window_peak_with_grads - start_bwd)
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
@@ -704,14 +714,14 @@ def measure_stage(
         # once (an MLP's h and gelu(h), both saved with grad: fwd_overhead_bytes 0 there)
         reset()
         inputs.restore()
-        none_alloc = _allocator_windows(fake, device)[0]
+        none_alloc = _allocator_windows(fake, device, tracker)[0]
         tracker.reset_mod_stats()  # (a module's second forward under the tracker)
         tracker.reset_window()
         none_base = tracker.activation_bytes()
         with torch.no_grad(), none_alloc:
             none_out = run(_entered(x))
         none_tracked = tracker.window_peak - none_base
-        none_peak = none_tracked + scratch_bytes(_peak(none_alloc), none_tracked)
+        none_peak = none_tracked + none_alloc.excess(none_tracked)[0]
         del none_out
     reset()
 
@@ -733,8 +743,22 @@ def measure_stage(
         bwd_time=bwd_time,
         kept_scalar_bytes=sum(scalars.values()),
         small_scratch_bytes=(fwd_small, bwd_small),
+        external=external,
     )
     return cost, next_input
+
+
+class _MadeStorages(TorchDispatchMode):
+    """The storages the ops run under it make (:func:`_keys`): ``keys``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.keys.update(_keys(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        return out
 
 
 def measure_compiled_stage(
@@ -958,11 +982,17 @@ def _work_counters(fake: bool, time_model: TimeModel | None) -> tuple[Any, Any]:
     return WorkCounter(time_model), WorkCounter(time_model)
 
 
-def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, Any]:
-    """Two :class:`remat.measure.events.AllocatorWindow` (forward, backward) on real tensors, else two
-    no-op contexts (fake tensors allocate nothing)."""
+def _allocator_windows(
+    fake: bool, device: torch.device | None, tracker: StepTracker
+) -> tuple[Any, Any]:
+    """Two :class:`remat.measure.events.AllocatorWindow` (forward, backward) on real tensors;
+    on fake tensors (which allocate nothing) two :class:`remat.measure.scratch.ScratchWindow`
+    of the capture's probe over ``tracker``'s bytes (the scratch its ops measured when run for
+    real). Both give ``excess(tracked)``: the scratch and small scratch above the tracked
+    bytes."""
     if fake:
-        return contextlib.nullcontext(), contextlib.nullcontext()
+        probe = ScratchProbe.current()
+        return ScratchWindow(probe, tracker.live_bytes), ScratchWindow(probe, tracker.live_bytes)
     if torch.autograd.profiler._is_profiler_enabled and (device is None or device.type == "cpu"):
         warnings.warn(
             "remat.capture runs inside a torch.profiler session: it cannot count the scratch "
@@ -972,11 +1002,6 @@ def _allocator_windows(fake: bool, device: torch.device | None) -> tuple[Any, An
         )
 
     return AllocatorWindow(device), AllocatorWindow(device)
-
-
-def _peak(window: Any) -> int:
-    """The allocator window's peak, 0 for a no-op context or an unsupported device."""
-    return getattr(window, "peak_bytes", None) or 0
 
 
 def _seed(outputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, int]:

@@ -120,6 +120,7 @@ from remat.measure.events import (
     small_scratch_bytes,
 )
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
+from remat.measure.scratch import ScratchProbe, ScratchWindow
 
 __all__ = [
     "LEVELS",
@@ -309,7 +310,7 @@ def trace_levels(
         )
 
         try:
-            with fake_step(model, batch) as (mode, fake_batch, _), mode:
+            with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
                 state = _record(model, fake_batch, loss_fn, costs, True, time_model)
                 unit = "flop" if time_model is None else "s"
                 return {level: _build(state, level, unit) for level in levels}
@@ -374,7 +375,7 @@ class _State:
     next_key: int = 0
     backward: list[tuple[int, int, int, int]] = field(default_factory=list)  # call, pre, post, span
     memory: _Memory | None = None
-    allocator: _Allocator | None = None
+    allocator: _Allocator | _ScratchSpans | None = None
     grad_fns: dict[Any, int] = field(default_factory=dict)
     loss_key: int = -1
     loss_bytes: int = 0
@@ -705,7 +706,9 @@ def _record(
     counter = WorkCounter(time_model) if (costs and flops) else None
     tracker = StepTracker(timeline=False) if costs else None
     st.memory = _Memory(tracker) if tracker is not None else None
-    if costs and not flops:  # fake tensors allocate nothing: no kernel scratch to see
+    if tracker is not None and flops:  # fake tensors: the scratch probe's ops
+        st.allocator = _ScratchSpans(tracker.live_bytes)
+    if costs and not flops:
         if torch.autograd.profiler._is_profiler_enabled:  # a second one would end the user's
             warnings.warn(
                 "capture_graph runs inside a torch.profiler session: it cannot count the "
@@ -874,6 +877,11 @@ class _Allocator:
             record.__exit__(None, None, None)
             self.ranges[span] = None
 
+    def excess(self, span: int, tracked: int) -> tuple[int, int]:
+        """``(scratch, small scratch)`` of range ``span`` above its ``tracked`` rise."""
+        rise = self.rise(span)
+        return scratch_bytes(rise, tracked), small_scratch_bytes(rise, tracked)
+
     def rise(self, span: int) -> int:
         """Allocator bytes above the range's start at its highest point (0 if unknown)."""
         if span < 0:
@@ -912,6 +920,35 @@ class _Allocator:
             top = max(running[lo + 1 : hi + 1], default=running[lo])
             rises.append(max(0, top - running[lo]))
         return rises
+
+
+class _ScratchSpans:
+    """:class:`_Allocator`'s stand-in under fake tensors (which allocate nothing): each range a
+    :class:`remat.measure.scratch.ScratchWindow` of the capture's scratch probe over the
+    tracker's bytes, rising where an op inside takes kernel scratch."""
+
+    def __init__(self, level: Callable[[], int]) -> None:
+        self.probe = ScratchProbe.current()
+        self.level = level
+        self.windows: list[ScratchWindow] = []
+
+    def __enter__(self) -> _ScratchSpans:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def begin(self) -> int:
+        window = ScratchWindow(self.probe, self.level).__enter__()
+        self.windows.append(window)
+        return len(self.windows) - 1
+
+    def end(self, span: int) -> None:
+        self.windows[span].__exit__(None, None, None)
+
+    def excess(self, span: int, tracked: int) -> tuple[int, int]:
+        """``(scratch, small scratch)`` of range ``span`` above its ``tracked`` rise."""
+        return self.windows[span].excess(tracked) if span >= 0 else (0, 0)
 
 
 def _device_of(model: nn.Module, batch: Any) -> torch.device:
@@ -1460,11 +1497,11 @@ def _new_input_grads(nodes: list[Node]) -> list[int]:
 
 def _scratch(st: _State, span: int, first: int, last: int) -> tuple[int, int]:
     """What only the allocator saw inside one call / autograd function (kernel scratch), and
-    the part of it below 1 KiB that this leaves out (0, 0 without the allocator's events)."""
+    the part of it below 1 KiB that this leaves out (0, 0 without the allocator's events; under
+    fake tensors, what the scratch probe's ops would have added: :class:`_ScratchSpans`)."""
     if st.allocator is None or st.memory is None:
         return 0, 0
-    rise, tracked = st.allocator.rise(span), st.memory.rise_with_grads(first, last)
-    return scratch_bytes(rise, tracked), small_scratch_bytes(rise, tracked)
+    return st.allocator.excess(span, st.memory.rise_with_grads(first, last))
 
 
 def _held_until(

@@ -302,6 +302,13 @@ class AllocatorWindow:
                 self.peak_bytes = _running_peak(self._profiler)
             self._profiler = None
 
+    def excess(self, tracked: int) -> tuple[int, int]:
+        """``(scratch, small scratch)``: what the window saw above ``tracked`` bytes of tensors
+        over the same span (:func:`scratch_bytes`, :func:`small_scratch_bytes`); (0, 0) when
+        it could not count."""
+        peak = self.peak_bytes or 0
+        return scratch_bytes(peak, tracked), small_scratch_bytes(peak, tracked)
+
 
 def allocated_bytes(nbytes: int, device: torch.device | None) -> int:
     """What a tensor of ``nbytes`` takes from the allocator of ``device``: a multiple of
