@@ -280,7 +280,7 @@ def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> Non
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 16))
     batch = {"input_ids": ids, "labels": ids}
-    planned = remat.apply(model, remat.Plan.from_checkpoints(4, [2]), compile=PARTITIONER)
+    planned = remat.apply(model, remat.Plan.from_checkpoints(6, [3]), compile=PARTITIONER)
     assert planned.plan.segments[0].checkpoint and planned.plan.segments[0].start == 1
     planned(**batch).loss.backward()
     assert_one_graph_per_stage_at_most(planned)
@@ -298,9 +298,11 @@ def test_capture_counts_what_compiled_stages_save() -> None:
     eager = capture(model, batch).chain
     compiled = capture(model, batch, compile=PARTITIONER).chain
     blocks = [i for i, name in enumerate(eager.names) if name.startswith("transformer.h.")]
-    assert len(blocks) == 2
+    assert len(blocks) == 2 * 2  # each block's attention and MLP halves
     for i in blocks:
-        assert eager.out_bytes[i] <= compiled.saved_bytes[i] < 0.8 * eager.saved_bytes[i]
+        assert eager.out_bytes[i] <= compiled.saved_bytes[i]
+        if eager.names[i].endswith("mlp"):  # its GELU recomputed, not saved
+            assert compiled.saved_bytes[i] < 0.8 * eager.saved_bytes[i]
     assert compiled.saved_bytes[-1] == eager.saved_bytes[-1]
     assert compiled.out_bytes == eager.out_bytes
     # every stage's times are the compiled stage's (timed after warm-up), not eager's
@@ -326,11 +328,13 @@ def test_compiled_plans_of_a_small_transformer_measure_within_their_prediction()
         return m(**b).loss
 
     captured = capture(model, batch, loss_fn=loss, compile=PARTITIONER)
+    # six stages: the embedding, each block's attention and MLP halves, the head
     segments = [
-        [Segment(1, 2, True), Segment(3, 3, True), Segment(4, 4)],  # the plan of the report
-        [Segment(1, 1), Segment(2, 3, True), Segment(4, 4)],
-        [Segment(1, 1, True), Segment(2, 2, True), Segment(3, 3, True), Segment(4, 4)],
-        [Segment(1, 4)],
+        [Segment(1, 3, True), Segment(4, 5, True), Segment(6, 6)],  # the plan of the report
+        [Segment(1, 1), Segment(2, 5, True), Segment(6, 6)],
+        [Segment(1, 1, True), Segment(2, 3, True), Segment(4, 5, True), Segment(6, 6)],
+        [Segment(1, 1), *(Segment(i, i, True) for i in range(2, 6)), Segment(6, 6)],
+        [Segment(1, 6)],
     ]
     for segs in segments:
         plan = remat.Plan(tuple(segs))

@@ -141,8 +141,9 @@ def resnet() -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], list[
     return model, remat.zoo.classification_loss, chunks
 
 
-# nested plans (depth 2) with batch norm / dropout inside recomputed segments
-GPT2_PLAN = Plan((Segment(1, 3, True, (Segment(1, 2, True), Segment(3, 3))), Segment(4, 4)))
+# nested plans (depth 2) with batch norm / dropout inside recomputed segments; GPT-2's six
+# stages: the embedding, each block's attention and MLP halves, the head
+GPT2_PLAN = Plan((Segment(1, 4, True, (Segment(1, 2, True), Segment(3, 4))), Segment(5, 6)))
 RESNET_PLAN = Plan(
     (
         Segment(1, 3, True, (Segment(1, 1), Segment(2, 3, True))),
@@ -322,7 +323,7 @@ def _ddp_checks(rank: int) -> None:
     with pytest.raises(PlanMismatchError, match="ranks hold different remat plans"):
         check_same_plan(mine)
     # a rank whose stages differ from rank 0's, or a plan for another stage count
-    names = ["a", "b", "c", "d"] if rank == 0 else ["a", "b", "x", "d"]
+    names = ["a", "b", "c", "d", "e", "f"] if rank == 0 else ["a", "b", "x", "d", "e", "f"]
     if rank == 0:
         broadcast_plan(GPT2_PLAN, stage_names=names)
     else:
@@ -342,7 +343,13 @@ def _fsdp_checks(rank: int) -> None:
     model, _, _ = gpt2()
     planned = remat.apply(model, GPT2_PLAN)
     units = shard_units(planned)
-    assert [type(u).__name__ for u in units] == ["GPT2Block", "GPT2Block"]
+    # each block is two stages (its attention and MLP halves): the modules they call
+    assert [type(u).__name__ for u in units] == [
+        "LayerNorm",
+        "GPT2Attention",
+        "LayerNorm",
+        "GPT2MLP",
+    ] * 2
     predicted = rank_memory(planned, shard_world_size=WORLD)
     fully_shard_planned(planned)
     assert rank_memory(planned) == predicted

@@ -348,11 +348,12 @@ def shard_units(planned: nn.Module) -> list[nn.Module]:
     """The modules of a planned model to ``fully_shard`` one by one (the rest goes to the root).
 
     One unit per stage whose parameters belong to it alone: the stage module itself when it is
-    a module of the model (a ResNet block), or the one model module a stage wraps (GPT-2's
-    ``transformer.h.i`` inside remat's block stage). Stages that group several modules (a
-    stem, an embedding + head) or share parameters with another stage (tied embeddings) are
-    left to the root: FSDP2 must see each parameter in exactly one unit, reached through the
-    model's own module tree.
+    a module of the model (a ResNet block), or the model modules the stage calls (GPT-2's
+    ``transformer.h.i`` inside remat's block stage; the ``ln_1`` and ``attn`` of its attention
+    half when the block is two stages: the block's own forward does not run then, so its hooks
+    would not gather the parameters; a stem's convolution and batch norm). Stages that share
+    parameters with another stage (tied embeddings) are left to the root: FSDP2 must see each
+    parameter in exactly one unit, reached through the model's own module tree.
     """
     return _shard_units(planned.stages, planned.model)
 
@@ -363,18 +364,19 @@ def _shard_units(stages: Stages, model: nn.Module) -> list[nn.Module]:
     for i, module in enumerate(stages.modules):
         for p in module.parameters():
             owner[id(p)] = i if owner.get(id(p), i) == i else -1
-    units = []
+    units: list[nn.Module] = []
     for i, module in enumerate(stages.modules):
         params = _unique(module.parameters())
         if not params or any(owner[id(p)] != i for p in params):
             continue
-        candidate: nn.Module | None = module if id(module) in in_model else None
-        if candidate is None:
+        if id(module) in in_model:
+            candidates = [module]
+        else:
             children = [c for c in module.children() if id(c) in in_model]
-            if len(children) == 1 and len(_unique(children[0].parameters())) == len(params):
-                candidate = children[0]
-        if candidate is not None and candidate is not model:
-            units.append(candidate)
+            candidates = [c for c in children if _unique(c.parameters())]
+            if sum(len(_unique(c.parameters())) for c in candidates) != len(params):
+                candidates = []  # parameters outside the model's modules it calls: the root's
+        units.extend(c for c in candidates if c is not model)
     return units
 
 

@@ -1,7 +1,9 @@
 """Hugging Face decoder-only causal language models as stages: one adapter for every family.
 
 GPT-2, Llama and Mistral share a layout: an embedding stage (token embeddings, positions, the
-causal mask), one stage per decoder block, and a head stage (final norm + ``lm_head``);
+causal mask), two stages per decoder block (its attention half, ``x + attn(norm(x))``, and its
+MLP half, ``x + mlp(norm(x))``: NOTE [ Half blocks ]), and a head stage (final norm +
+``lm_head``);
 ``prepare`` binds and checks the arguments ``model(...)`` was called with, ``finish`` computes
 the loss from ``labels`` with the model's own loss function and returns the model's output
 class (``.loss``, ``.logits``; no KV cache while training). A :class:`Decoder` record holds the
@@ -141,6 +143,62 @@ class _BlockStage(_HFStage):
         return (self.call(self.block, a), *a[1:])
 
 
+# NOTE [ Half blocks ]: a decoder block is two residual halves, attention then MLP, and a
+# plan at block granularity recomputes both to get at either: checkpointing the block, its
+# backward holds the whole block's saved tensors at once. Cut at the residual between them,
+# a plan can recompute the MLP half alone (its 4x-wide intermediate is most of a block's
+# activations) or checkpoint each half in its own segment, which holds half a block at a time:
+# the least peak falls below what checkpointing every block reaches. The halves call the
+# block's own submodules in the order its forward does (same results, bit for bit); a block
+# whose class overrides the stock forward, or that has forward hooks of its own (they would
+# not run), stays one stage.
+@dataclass(frozen=True)
+class _Halves:
+    """How a family's block splits: its class, and each half's submodules and call."""
+
+    block_class: str
+    """The stock block class (``GPT2Block``), compared by forward."""
+    attention: tuple[str, ...]
+    """The attention half's submodules of the block (``("ln_1", "attn")``)."""
+    call_attention: Callable[[nn.Module, tuple], torch.Tensor]
+    """``call_attention(stage, a)``: ``a[0] + attn(norm(a[0]))`` with the stage's submodules."""
+    mlp: tuple[str, ...]
+    """The MLP half's submodules (``("ln_2", "mlp")``)."""
+    call_mlp: Callable[[nn.Module, tuple], torch.Tensor]
+    """``call_mlp(stage, a)``: ``a[0] + mlp(norm(a[0]))``."""
+
+    def stages(self, block: nn.Module, name: str) -> list[tuple[nn.Module, str]]:
+        """The two stages of ``block`` and their names after the block's (``name``)."""
+        return [
+            (
+                _HalfStage(call=call, **{part: getattr(block, part) for part in parts}),
+                f"{name}.{'+'.join(parts)}",
+            )
+            for parts, call in ((self.attention, self.call_attention), (self.mlp, self.call_mlp))
+        ]
+
+
+class _HalfStage(_HFStage):
+    """Half a decoder block: its submodules of that half only (a parameter's gradient is made
+    by the stage that owns it), called as the block's forward calls them; the rest of the
+    activation tuple passes through unchanged."""
+
+    def forward(self, a: tuple) -> tuple:
+        return (self.call(self, a), *a[1:])
+
+
+def _halves_of(block: nn.Module, halves: _Halves | None, classes: Any) -> _Halves | None:
+    """``halves`` when ``block`` runs the stock forward with no hooks of its own, else None."""
+    if halves is None:
+        return None
+    stock = getattr(classes, halves.block_class, None)
+    if stock is None or not same_forward(block, stock, "forward"):
+        return None
+    if block._forward_hooks or block._forward_pre_hooks:
+        return None
+    return halves
+
+
 class _Head(_HFStage):
     """Final norm + ``lm_head``: the logits."""
 
@@ -198,6 +256,25 @@ def _gpt2_block(block: nn.Module, a: tuple) -> torch.Tensor:
         output_attentions=False,
     )
     return out[0]
+
+
+def _gpt2_attention(block: nn.Module, a: tuple) -> torch.Tensor:  # block: a _HalfStage
+    hidden, causal_mask, cache_position = a
+    attn_output, _ = block.attn(
+        block.ln_1(hidden),
+        past_key_values=None,
+        cache_position=cache_position,
+        attention_mask=causal_mask,
+        head_mask=None,
+        use_cache=False,
+        output_attentions=False,
+    )
+    return attn_output + hidden
+
+
+def _gpt2_mlp(block: nn.Module, a: tuple) -> torch.Tensor:
+    hidden = a[0]
+    return hidden + block.mlp(block.ln_2(hidden))
 
 
 def _gpt2_inputs(model: nn.Module, kw: dict[str, Any]) -> tuple:
@@ -258,6 +335,25 @@ def _rotary_block(layer: nn.Module, a: tuple) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _rotary_attention(layer: nn.Module, a: tuple) -> torch.Tensor:  # layer: a _HalfStage
+    hidden, causal_mask, position_ids, cache_position, cos, sin = a
+    out, _ = layer.self_attn(
+        hidden_states=layer.input_layernorm(hidden),
+        attention_mask=causal_mask,
+        position_ids=position_ids,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=cache_position,
+        position_embeddings=(cos, sin),
+    )
+    return hidden + out
+
+
+def _rotary_mlp(layer: nn.Module, a: tuple) -> torch.Tensor:
+    hidden = a[0]
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
 def _rotary_inputs(model: nn.Module, kw: dict[str, Any]) -> tuple:
     return (
         kw.get("input_ids"),
@@ -300,6 +396,8 @@ class Decoder:
     """The output class in ``transformers.modeling_outputs``."""
     blocks_in_config: bool = True
     """Only the first ``config.num_hidden_layers`` blocks run (GPT-2 runs all of ``h``)."""
+    halves: _Halves | None = None
+    """How a stock block splits into two stages (NOTE [ Half blocks ]); None: whole blocks."""
 
 
 _ALLOWED = frozenset(
@@ -349,6 +447,7 @@ GPT2 = Decoder(
     allowed=_ALLOWED | {"token_type_ids"},
     output="CausalLMOutputWithCrossAttentions",
     blocks_in_config=False,
+    halves=_Halves("GPT2Block", ("ln_1", "attn"), _gpt2_attention, ("ln_2", "mlp"), _gpt2_mlp),
 )
 
 LLAMA = Decoder(
@@ -365,6 +464,13 @@ LLAMA = Decoder(
     positional=_ROTARY_POSITIONAL,
     allowed=_ALLOWED,
     output="CausalLMOutputWithPast",
+    halves=_Halves(
+        "LlamaDecoderLayer",
+        ("input_layernorm", "self_attn"),
+        _rotary_attention,
+        ("post_attention_layernorm", "mlp"),
+        _rotary_mlp,
+    ),
 )
 
 MISTRAL = replace(
@@ -374,6 +480,7 @@ MISTRAL = replace(
     lm_class="MistralForCausalLM",
     base_class="MistralModel",
     embedding=_rotary_embedding(_causal_or_sliding_mask),
+    halves=replace(LLAMA.halves, block_class="MistralDecoderLayer"),  # type: ignore[arg-type]
 )
 
 DECODERS: tuple[Decoder, ...] = (GPT2, LLAMA, MISTRAL)
@@ -397,10 +504,10 @@ def split(model: nn.Module) -> Stages | None:
         )
     ):
         return None
-    return _split_decoder(model, family)
+    return _split_decoder(model, family, classes)
 
 
-def _split_decoder(model: nn.Module, family: Decoder) -> Stages:
+def _split_decoder(model: nn.Module, family: Decoder, classes: Any) -> Stages:
     base = getattr(model, family.base)
     if getattr(base, "model_parallel", False):
         raise UnsupportedModelError(
@@ -413,8 +520,15 @@ def _split_decoder(model: nn.Module, family: Decoder) -> Stages:
     if family.blocks_in_config:
         blocks = blocks[: base.config.num_hidden_layers]
     for i, block in enumerate(blocks):
-        modules.append(_BlockStage(block=block, call=family.call_block))
-        names.append(f"{family.base}.{family.blocks}.{i}")
+        name = f"{family.base}.{family.blocks}.{i}"
+        halves = _halves_of(block, family.halves, classes)
+        if halves is None:
+            modules.append(_BlockStage(block=block, call=family.call_block))
+            names.append(name)
+            continue
+        for stage, stage_name in halves.stages(block, name):
+            modules.append(stage)
+            names.append(stage_name)
     modules.append(_Head(norm=getattr(base, family.norm), lm_head=model.lm_head))
     names.append(f"{family.base}.{family.norm}+lm_head")
 
