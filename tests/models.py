@@ -19,3 +19,22 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
         return self.head(self.a(h) * self.b(h))
+
+
+class Skip(nn.Module):
+    """Not a chain (the stem's output skips across the blocks): the module-graph path."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        skip = h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + skip)

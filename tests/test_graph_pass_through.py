@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_steps import measured_and_predicted
+from models import Skip
 from torch import nn
 
 from remat.bench import conformance
@@ -29,30 +30,13 @@ from remat.core.graph_plan import GraphPlan
 W, N = 128, 256
 
 
-class Skip(nn.Module):
-    """The stem's output skips across the blocks to a sum before the head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(W, W)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(W, W), nn.GELU()) for _ in range(6))
-        self.head = nn.Linear(W, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        skip = h
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h + skip)
-
-
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
 def test_a_sum_passes_its_gradient_on_without_a_copy() -> None:
     torch.manual_seed(0)
-    model, x = Skip(), torch.randn(N, W)
+    model, x = Skip(W), torch.randn(N, W)
     trace = trace_graph(model, x, _loss, level="module")
     graph = trace.graph
     (add,) = [v for v, node in enumerate(graph.nodes) if node.name.endswith("/add")]

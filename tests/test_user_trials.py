@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Skip
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
@@ -59,25 +60,6 @@ def _mlp(width: int = 128, layers: int = 8, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
     return nn.Sequential(*blocks, nn.Linear(width, 10))
-
-
-class Skip(nn.Module):
-    """Not a chain (the stem's output skips across the blocks): the module-graph path."""
-
-    def __init__(self, width: int = 128) -> None:
-        super().__init__()
-        self.stem = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6)
-        )
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        skip = h
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h + skip)
 
 
 def _skip() -> Skip:
