@@ -9,7 +9,7 @@ whole step through :func:`plan_for_step`; ``remat.api`` re-exports this module's
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -562,8 +562,9 @@ def step_descent(
     (nested sub-plans dropped), moving to the first neighbour that lowers it until none does,
     or ``steps`` peaks were evaluated. Deterministic, and it reads no time. A chain plan's
     neighbours: a segment's checkpoint flag toggled, a segment split in two, two neighbours
-    merged; a graph plan's: a node taken out of its segment (stored), a stored node added to a
-    segment it reads or feeds, or made a segment of its own, a segment dropped.
+    merged; a graph plan's: a node taken out of its segment (stored), a node added or moved to
+    a segment it reads or feeds, a stored node made a segment of its own, a segment dropped or
+    merged with one it reads or feeds.
 
     The planners minimise the activation peak (and the time under it); the step's peak also
     holds the parameter gradients made so far, so a stage whose gradients appear early in the
@@ -579,7 +580,10 @@ def step_descent(
             tuple((s.start, s.stop, s.checkpoint) for s in p.for_chain(n).segments) for p in starts
         ]
         best = _descend(
-            chain_starts, _neighbours, lambda s: step_peak_of(structure, _flat(s), costs), steps
+            chain_starts,
+            _chain_neighbours,
+            lambda s: step_peak_of(structure, _flat(s), costs),
+            steps,
         )  # type: ignore[arg-type]
         if best is None:
             return None
@@ -645,34 +649,35 @@ def _graph_neighbours(
     for v, node in enumerate(graph.nodes):
         for u in node.inputs:
             readers.setdefault(u, []).append(v)
+
+    def adjacent(nodes: Iterable[int]) -> list[int]:
+        """The segments that read from or feed ``nodes``, in order."""
+        ends = {u for v in nodes for u in (*graph.nodes[v].inputs, *readers.get(v, ()))}
+        return sorted({where[u] for u in ends if u in where})
+
     out = []
     for v in range(graph.n):
         k = where.get(v)
-        if k is not None:
-            if len(groups[k]) > 1:  # stored instead
-                out.append(canon([g - {v} if i == k else g for i, g in enumerate(groups)]))
-            continue
-        near = {where[u] for u in (*graph.nodes[v].inputs, *readers.get(v, ())) if u in where}
-        for j in sorted(near):  # recomputed with a segment it reads or feeds
-            out.append(canon([g | {v} if i == j else g for i, g in enumerate(groups)]))
-        out.append(canon([*groups, {v}]))
+        if k is None:
+            for j in adjacent([v]):  # recomputed with a segment it reads or feeds
+                out.append(canon([g | {v} if i == j else g for i, g in enumerate(groups)]))
+            out.append(canon([*groups, {v}]))
+        elif len(groups[k]) > 1:  # stored instead
+            out.append(canon([g - {v} if i == k else g for i, g in enumerate(groups)]))
     for v, k in sorted(where.items()):  # moved to a segment it reads or feeds
-        near = {where[u] for u in (*graph.nodes[v].inputs, *readers.get(v, ())) if u in where}
-        for j in sorted(near - {k}):
-            out.append(
-                canon(
-                    [g - {v} if i == k else g | {v} if i == j else g for i, g in enumerate(groups)]
+        for j in adjacent([v]):
+            if j != k:
+                out.append(
+                    canon(
+                        [
+                            g - {v} if i == k else g | {v} if i == j else g
+                            for i, g in enumerate(groups)
+                        ]
+                    )
                 )
-            )
-    for k in range(len(groups)):  # a segment dropped, or merged with one it reads or feeds
+    for k, group in enumerate(groups):  # a segment dropped, or merged with one it reads or feeds
         out.append(canon([g for i, g in enumerate(groups) if i != k]))
-        near = {
-            where[u]
-            for v in groups[k]
-            for u in (*graph.nodes[v].inputs, *readers.get(v, ()))
-            if u in where
-        }
-        for j in sorted(near - {k}):
+        for j in adjacent(group):
             if j > k:
                 out.append(
                     canon([g | groups[j] if i == k else g for i, g in enumerate(groups) if i != j])
@@ -684,7 +689,7 @@ def _flat(segs: tuple[tuple[int, int, bool], ...]) -> Plan:
     return Plan(tuple(Segment(a, b, f) for a, b, f in segs))
 
 
-def _neighbours(
+def _chain_neighbours(
     segs: tuple[tuple[int, int, bool], ...],
 ) -> list[tuple[tuple[int, int, bool], ...]]:
     """The flat plans one move from ``segs``: a flag toggled, a segment split, two merged."""
