@@ -104,6 +104,7 @@ from remat.measure.events import (
     output_tensors,
     unique_storage_bytes,
 )
+from remat.measure.events import storage_bytes as _keys
 from remat.measure.profile import ONE_MODEL_CALL, LossFn, StepTracker, default_loss_fn, fake_step
 from remat.measure.scratch import ScratchProbe, ScratchWindow
 
@@ -449,15 +450,6 @@ def _writes_input(run: Callable[[Any], Any], inp: Any) -> bool:
     except Exception:  # noqa: BLE001 - the caller re-raises the original error
         return False
     return _versions(_tensors(probe)) != versions
-
-
-def _keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """Storage identity -> bytes, each storage once."""
-    out: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        out[st._cdata] = st.nbytes()
-    return out
 
 
 def _sync(device: torch.device | None) -> None:

@@ -34,6 +34,7 @@ from remat.guards import buffer_slots
 
 __all__ = [
     "AllocatorWindow",
+    "storage_bytes",
     "output_tensors",
     "garbage_collected",
     "SCRATCH_MIN_BYTES",
@@ -107,6 +108,16 @@ def allocation_bytes(t: torch.Tensor) -> int:
     gradient, an optimizer state copy): on CUDA rounded up to the 512-byte block, which
     ``max_memory_allocated`` counts (a 64-channel batch norm's 256-byte gradient takes 512)."""
     return allocated_bytes(t.numel() * t.element_size(), t.device)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes per storage behind ``tensors`` (keyed by storage identity, each storage once; fake
+    tensors too, whose storages have no address)."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out[storage._cdata] = storage.nbytes()
+    return out
 
 
 def unique_storage_bytes(tensors: Iterable[Any]) -> int:

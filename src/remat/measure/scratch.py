@@ -36,7 +36,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from remat.measure.events import AllocatorWindow, scratch_bytes, small_scratch_bytes
+from remat.measure.events import (
+    AllocatorWindow,
+    scratch_bytes,
+    small_scratch_bytes,
+    storage_bytes,
+)
 
 __all__ = ["PROBE_MAX_BYTES", "ScratchProbe", "ScratchWindow"]
 
@@ -84,8 +89,7 @@ class ScratchWindow:
     it (``level()`` read before the op: the capture's tracked bytes, which the allocator also
     counts), above ``level()`` at the window's start; 0 when no op inside took scratch.
     :meth:`excess` reads it as :meth:`remat.measure.events.AllocatorWindow.excess` reads the
-    allocator's peak. Without a probe (a real capture's fake branch never has none) it sees
-    nothing."""
+    allocator's peak. Without a probe it sees nothing."""
 
     def __init__(self, probe: ScratchProbe | None, level: Callable[[], int]) -> None:
         self.probe = probe
@@ -193,11 +197,7 @@ class ScratchProbe(TorchDispatchMode):
 
 def _storages(obj: Any) -> dict[int, int]:
     """Bytes per storage of the tensors in ``obj``."""
-    return {
-        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-        for t in tree_flatten(obj)[0]
-        if isinstance(t, torch.Tensor)
-    }
+    return storage_bytes(t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
 
 
 def _describe(a: Any) -> Any:

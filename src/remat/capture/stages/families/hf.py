@@ -136,11 +136,13 @@ class _HFStage(nn.Module):
 
 
 class _BlockStage(_HFStage):
-    """One decoder block (``call(block, a)`` is how the family calls it); the rest of the
-    activation tuple (mask, positions) passes through unchanged."""
+    """A decoder block, or half of one (NOTE [ Half blocks ]: then only that half's submodules,
+    so that a parameter's gradient is made by the stage that owns it): ``call(stage, a)`` runs
+    it on the stage's submodules as the block's forward would; the rest of the activation
+    tuple (mask, positions) passes through unchanged."""
 
     def forward(self, a: tuple) -> tuple:
-        return (self.call(self.block, a), *a[1:])
+        return (self.call(self, a), *a[1:])
 
 
 # NOTE [ Half blocks ]: a decoder block is two residual halves, attention then MLP, and a
@@ -171,20 +173,11 @@ class _Halves:
         """The two stages of ``block`` and their names after the block's (``name``)."""
         return [
             (
-                _HalfStage(call=call, **{part: getattr(block, part) for part in parts}),
+                _BlockStage(call=call, **{part: getattr(block, part) for part in parts}),
                 f"{name}.{'+'.join(parts)}",
             )
             for parts, call in ((self.attention, self.call_attention), (self.mlp, self.call_mlp))
         ]
-
-
-class _HalfStage(_HFStage):
-    """Half a decoder block: its submodules of that half only (a parameter's gradient is made
-    by the stage that owns it), called as the block's forward calls them; the rest of the
-    activation tuple passes through unchanged."""
-
-    def forward(self, a: tuple) -> tuple:
-        return (self.call(self, a), *a[1:])
 
 
 def _halves_of(block: nn.Module, halves: _Halves | None, classes: Any) -> _Halves | None:
@@ -242,9 +235,9 @@ def _gpt2_embedding(base: nn.Module) -> tuple[nn.Module, str]:
     )
 
 
-def _gpt2_block(block: nn.Module, a: tuple) -> torch.Tensor:
+def _gpt2_block(stage: nn.Module, a: tuple) -> torch.Tensor:
     hidden, causal_mask, cache_position = a
-    out = block(
+    out = stage.block(
         hidden,
         None,
         cache_position,
@@ -258,7 +251,7 @@ def _gpt2_block(block: nn.Module, a: tuple) -> torch.Tensor:
     return out[0]
 
 
-def _gpt2_attention(block: nn.Module, a: tuple) -> torch.Tensor:  # block: a _HalfStage
+def _gpt2_attention(block: nn.Module, a: tuple) -> torch.Tensor:  # block: the half's stage
     hidden, causal_mask, cache_position = a
     attn_output, _ = block.attn(
         block.ln_1(hidden),
@@ -322,9 +315,9 @@ def _rotary_embedding(
     return make
 
 
-def _rotary_block(layer: nn.Module, a: tuple) -> torch.Tensor:
+def _rotary_block(stage: nn.Module, a: tuple) -> torch.Tensor:
     hidden, causal_mask, position_ids, cache_position, cos, sin = a
-    out = layer(
+    out = stage.block(
         hidden,
         attention_mask=causal_mask,
         position_ids=position_ids,
@@ -335,7 +328,7 @@ def _rotary_block(layer: nn.Module, a: tuple) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _rotary_attention(layer: nn.Module, a: tuple) -> torch.Tensor:  # layer: a _HalfStage
+def _rotary_attention(layer: nn.Module, a: tuple) -> torch.Tensor:  # layer: the half's stage
     hidden, causal_mask, position_ids, cache_position, cos, sin = a
     out, _ = layer.self_attn(
         hidden_states=layer.input_layernorm(hidden),
@@ -385,7 +378,8 @@ class Decoder:
     embedding: Callable[[nn.Module], tuple[nn.Module, str]]
     """The embedding stage made from the base model, and its name after ``base + "."``."""
     call_block: Callable[[nn.Module, tuple], torch.Tensor]
-    """``call_block(block, a)``: the block's output hidden states from the activation tuple."""
+    """``call_block(stage, a)``: the output hidden states of ``stage.block`` from the activation
+    tuple."""
     inputs: Callable[[nn.Module, dict[str, Any]], tuple]
     """``a[0]`` (the embedding stage's input) from the bound arguments."""
     positional: tuple[str, ...]
