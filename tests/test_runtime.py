@@ -271,6 +271,31 @@ def test_plain_torch_checkpoint_updates_batchnorm_twice():
     torch.testing.assert_close(block2[1].running_var, reference[1].running_var)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_recomputed_with_its_update_paused_counts_each_batch_once(momentum):
+    """Torch's batch norm is recomputed on its real statistics with the update paused
+    (momentum None and no batch count: factor 0), cumulative averages (momentum=None)
+    included; the attributes are given back after each recomputation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU()),
+    )
+    reference = copy.deepcopy(model)
+    planned = apply(
+        model, Plan.from_segments([Segment(1, 2, True, (Segment(1, 1, True), Segment(2, 2)))])
+    )
+    for s in range(3):
+        x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(s))
+        reference(x).sum().backward()
+        planned(x).sum().backward()
+        assert model[0][1].momentum == momentum and model[1][1].momentum == momentum
+    for (k, b_ref), (_, b) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(b, b_ref), k
+    assert int(model[1][1].num_batches_tracked) == 3
+    assert_grads_equal(reference, model, rtol=1e-5, atol=1e-6)
+
+
 def test_track_running_stats_false_would_break_checkpoint():
     """Why remat swaps in copies of the statistics instead of disabling tracking."""
     import contextlib

@@ -260,12 +260,24 @@ def running_stat(m: nn.Module, name: str) -> bool:
     )
 
 
-def running_stat_bytes(module: nn.Module) -> int:
+def pauses_update(m: nn.Module) -> bool:
+    """Whether batch norm ``m`` can be recomputed on its own running statistics with their
+    update paused: its forward is torch's, which reads the update's factor from
+    ``m.momentum`` and counts the batch in ``m.num_batches_tracked`` (``momentum=None`` and no
+    count make the factor 0: ``running = 1 * running + 0 * batch``, the same values, no copy).
+    A subclass with its own forward may update them its own way: it gets copies."""
+    return type(m).forward is nn.modules.batchnorm._BatchNorm.forward and running_stat(
+        m, "running_mean"
+    )
+
+
+def running_stat_bytes(module: nn.Module, paused: bool = False) -> int:
     """Unique bytes of the running statistics (:func:`running_stat`) of ``module``'s
-    submodules."""
+    submodules; with ``paused``, of those whose update a recomputation cannot pause
+    (:func:`pauses_update`): the copies the chain executor's recomputation keeps."""
     found = {
         id(b): b.numel() * b.element_size()
         for (m, name), b in buffer_slots(module).items()
-        if running_stat(m, name)
+        if running_stat(m, name) and not (paused and pauses_update(m))
     }
     return sum(found.values())

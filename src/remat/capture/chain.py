@@ -149,8 +149,9 @@ class Captured:
     (:attr:`StageCost.small_scratch_bytes`): :attr:`remat.core.step.StepCosts.
     op_scratch_bytes`. Empty when unknown (fake tensors)."""
     recompute_kept_bytes: tuple[int, ...] = ()
-    """Per stage, the batch-norm running statistics (training mode) of its modules: what the
-    chain executor copies when it recomputes the stage, kept by the recomputed backward
+    """Per stage, the batch-norm running statistics (training mode) of its modules that the
+    chain executor copies when it recomputes the stage (all under per-stage compile; eager,
+    only those of batch norms with their own forward), kept by the recomputed backward
     (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`). Empty when none."""
     buffer_copy_bytes: tuple[int, ...] = ()
     """Per stage, the bytes of the buffers its forward wrote when captured (batch norm's
@@ -297,7 +298,8 @@ def _capture(
             buffers.restore()
             for p, g in grads.items():
                 p.grad = g
-    stats = tuple(running_stat_bytes(module) for module in split.modules)
+    # the eager executor pauses torch's batch norm's update instead of copying its statistics
+    stats = tuple(running_stat_bytes(module, paused=compile is None) for module in split.modules)
     return Captured(
         chain,
         split,

@@ -54,6 +54,7 @@ from remat.guards import (
     check_no_own_checkpointing,
     check_not_wrapped,
     in_place_input_error,
+    pauses_update,
     running_stat,
     tensor_version,
 )
@@ -321,15 +322,22 @@ class _BuffersWrittenOnce:
     (:attr:`remat.core.step.StepCosts.buffer_copy_bytes`). The
     recomputation's copies of batch norm's running statistics, which its backward saves, live
     until that backward: counted (:attr:`remat.core.step.StepCosts.recompute_kept_bytes`).
+    With ``pause`` (the eager executor) torch's own batch norm needs no copies: its
+    recomputation runs on the real statistics with the update paused (``momentum=None``, no
+    batch count: :func:`remat.guards.pauses_update`), so its backward saves the buffers
+    themselves, as the forward's did, and the recomputation holds no more than plain
+    checkpointing (which updates the statistics twice). Not under per-stage compile: the
+    compiled stage would be specialised on the paused attributes and compiled again.
 
     Re-enterable: torch enters a checkpoint's recompute context once per recomputation, and a
     segment is recomputed again by every backward that needs it (``backward(retain_graph=True)``
     twice, or the second backward of ``create_graph=True``).
     """
 
-    def __init__(self, segment: _SegmentBuffers) -> None:
+    def __init__(self, segment: _SegmentBuffers, pause: bool = False) -> None:
         self.segment = segment
         self.slots = segment.slots
+        self.pause = pause
         self.written: list[tuple[nn.Module, str, torch.Tensor | None]] = []
         """Each buffer the forward wrote, with its values from before it (None: the forward's
         values are replayed, batch norm's running statistics)."""
@@ -342,15 +350,27 @@ class _BuffersWrittenOnce:
 
     def __enter__(self) -> None:
         saved = []
+        paused: dict[int, nn.Module] = {}
         for m, name, before in self.written:
+            if before is None and self.pause and pauses_update(m):
+                paused[id(m)] = m
+                continue
             b = m._buffers[name]
             saved.append((m, name, b))
             m._buffers[name] = (b if before is None else before).clone()
+        for m in paused.values():
+            saved.append((m, "num_batches_tracked", m._buffers.get("num_batches_tracked")))
+            m._buffers["num_batches_tracked"] = None
+            saved.append((m, None, m.momentum))
+            m.momentum = None
         self._entries.append(saved)
 
     def __exit__(self, *exc: object) -> None:
         for m, name, b in self._entries.pop():
-            m._buffers[name] = b
+            if name is None:
+                m.momentum = b
+            else:
+                m._buffers[name] = b
 
 
 class _WriteWatch:
@@ -496,7 +516,7 @@ class _Executor:
             # once: no fix needed)
 
             def context_fn() -> tuple[Any, Any]:
-                return _BuffersWrittenOnce(buffers).pair()
+                return _BuffersWrittenOnce(buffers, pause=self.compiled is None).pair()
 
             options["context_fn"] = context_fn
         if torch.compiler.is_compiling():
