@@ -42,18 +42,11 @@ REFUSED = {
     ("tv-fasterrcnn_mobilenet_v3_fpn", "inside"),
 }
 
-DETECTION_CALLS = (
-    "Faster R-CNN in train mode: graph capture's timed step can make a different number of "
-    "torch calls than its recorded step (random proposal sampling), RuntimeError 'the model's "
-    "forward is not deterministic in its calls'. (Its least, 78264220 B, was above the eager "
-    "step's 75252864 B while the anchors and matched indices that backwards save were counted "
-    "all step; with Constant.saved_by all four loss_fn budgets pass at 0.973 of eager)"
-)
-XFAIL: dict[tuple[str, str], str | tuple[str, bool]] = {
-    # passed on this machine in 2 of 2 runs on 2026-11-27 (and on the commit before), failed in
-    # CI's fresh clone the same day: it depends on the proposals sampled
-    ("tv-fasterrcnn_mobilenet_v3_fpn", "loss_fn"): (DETECTION_CALLS, False),
-}
+# Faster R-CNN's loss_fn case was a non-strict xfail: on a fresh model the graph capture's timed
+# step made 978 torch calls and its recorded step 994 (MultiScaleRoIAlign infers its scales on
+# its first call only), RuntimeError "the model's forward is not deterministic in its calls";
+# the capture records a later step then (tests/test_graph_capture.py)
+XFAIL: dict[tuple[str, str], str | tuple[str, bool]] = {}
 # RegNet takes the chain path now (remat.capture.stages.families.blocks: its trunk's stages of
 # blocks). Its graph path under-predicted it by 128 KiB (predicted 4130224 B, measured 4261240
 # B at a 4201652 B budget): the projection's batch norm was merged into the residual sum across
@@ -151,6 +144,11 @@ EVERY_BLOCK = {
     # the chain there (predicted 421976 B, measured 421976 B); below it, the graph path
     # (least 409472 B, measured 407960 B)
     "hf-opt": None,
+    # chain path, frozen stem and first stage: refused 3,096 B above what every block
+    # checkpointed measures (60,552,160 B), the copies of batch norm's running statistics the
+    # recomputed backward kept; torch's batch norm is recomputed with its update paused now
+    # (tests/test_step_states.py): predicted and measured 60,552,160 B
+    "tv-resnet10-frozen": None,
 }
 
 

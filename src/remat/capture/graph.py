@@ -321,10 +321,18 @@ def trace_levels(
                 "fake=False (a smaller batch, then Graph.scaled, if memory is short)"
             ) from err
     private = BatchCopy(batch)  # the model may write into its input: never the caller's
-    with _preserved(model), garbage_collected():  # NOTE [ Collect before measuring ]
+    with _preserved(model) as replay, garbage_collected():  # NOTE [ Collect before measuring ]
         state = _record(model, private.batch, loss_fn, costs, flops=False)
         if costs:
-            _time_calls(model, private, loss_fn, state, repeats)
+            try:
+                _time_calls(model, private, loss_fn, state, repeats, replay)
+            except _CallsChanged:
+                # a first forward that makes calls later ones do not (an attribute set lazily:
+                # torchvision's MultiScaleRoIAlign infers its scales once): the steps the
+                # executor runs are the later ones, so record one of those
+                replay()
+                state = _record(model, private.restore(), loss_fn, costs, flops=False)
+                _time_calls(model, private, loss_fn, state, repeats, replay)
     return {level: _build(state, level, "s") for level in levels}
 
 
@@ -958,11 +966,22 @@ def _device_of(model: nn.Module, batch: Any) -> torch.device:
     return torch.device("cpu")
 
 
+class _CallsChanged(RuntimeError):
+    """A step run again made other torch calls than the recorded one."""
+
+
 def _time_calls(
-    model: nn.Module, batch: BatchCopy, loss_fn: LossFn, st: _State, repeats: int
+    model: nn.Module,
+    batch: BatchCopy,
+    loss_fn: LossFn,
+    st: _State,
+    repeats: int,
+    replay: Callable[[], None],
 ) -> None:
     """Seconds per call: ``repeats`` steps under a light timing mode, medians (each on the
-    recorded step's input: :meth:`~remat.measure.profile.BatchCopy.restore`)."""
+    recorded step's input, :meth:`~remat.measure.profile.BatchCopy.restore`, and its random
+    numbers, ``replay``: the step timed is the step recorded). Raises :class:`_CallsChanged`
+    when a step makes other calls than the recorded one."""
     calls = st.calls
 
     class Timer(TorchFunctionMode):
@@ -1005,10 +1024,11 @@ def _time_calls(
     for _ in range(repeats):
         timer = Timer()
         inputs = batch.restore()
+        replay()
         with timer:
             loss = loss_fn(model, inputs)
         if timer.index != len(calls):
-            raise RuntimeError(
+            raise _CallsChanged(
                 f"the timed step made {timer.index} torch calls, the recorded one {len(calls)}: "
                 "the model's forward is not deterministic in its calls"
             )
@@ -1049,10 +1069,11 @@ def _timing_hooks(grad_fns: dict[Any, int], seconds: list[float]) -> list[Any]:
 
 
 @contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
+def _preserved(model: nn.Module) -> Iterator[Callable[[], None]]:
     """Restore buffers, parameter gradients and the RNG state afterwards. The gradients are
     set aside first: a trace's backward must not add into the caller's (a re-plan while
-    gradients accumulate over microbatches)."""
+    gradients accumulate over microbatches). Yields a function that sets the RNG state back
+    to what it was on entry (a step run again draws the same numbers)."""
     buffers = BufferSnapshot(model)
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
@@ -1060,7 +1081,15 @@ def _preserved(model: nn.Module) -> Iterator[None]:
     devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
     try:
         with torch.random.fork_rng(devices=devices):
-            yield
+            cpu = torch.get_rng_state()
+            cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+            def replay() -> None:
+                torch.set_rng_state(cpu)
+                for d, state in zip(devices, cuda, strict=True):
+                    torch.cuda.set_rng_state(state, d)
+
+            yield replay
     finally:
         buffers.restore()
         for p, g in grads.items():
