@@ -49,7 +49,12 @@ Per node (the chain convention of ``docs/cost-model.md``, exact to the byte):
   ``time_model`` (:class:`remat.measure.calibration.TimeModel`), the seconds it predicts from each
   ATen op's FLOPs, bytes moved and count;
 * ``fwd_overhead_bytes`` / ``bwd_overhead_bytes``: the highest transient bytes inside one of the
-  node's calls / autograd functions beyond what is live when it returns (MemTracker).
+  node's calls / autograd functions beyond what is live when it returns (MemTracker);
+* ``fwd_none_overhead_bytes``: the same forward walked as it runs without grad (``F_none``): a
+  tensor a call saves that is neither its input nor its output is freed on return, and is at
+  the call's peak when one ATen op made it with the output (layer norm's statistics); an
+  output of one call saved by a later one dies when the program drops it (``_WithoutGrad``);
+  None when that equals ``fwd_overhead_bytes``.
 
 The loss (``loss_fn``, default :func:`remat.measure.profile.default_loss_fn`) is part of the graph: its
 calls are nodes (scope ``<loss>``), the loss scalar is the sink. ``fake=True`` runs everything
@@ -354,6 +359,7 @@ class _Rec:
     mutated: tuple[int, ...] = ()
     requires_grad: bool = False
     saves: list[tuple[int, int]] = field(default_factory=list)
+    ops: int = 0  # ATen ops run by the call (views left out)
     random: bool = False
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
@@ -603,6 +609,8 @@ class _RandomWatch(TorchDispatchMode):
         rec = self.state.current
         if rec is not None and torch.Tag.nondeterministic_seeded in func.tags:
             rec.random = True
+        if rec is not None and not self.state.dispatching and not func.is_view:
+            rec.ops += 1
         # ATen ops run from here are below the program (functorch's C++ _remove_batch_dim
         # dispatches its unsqueeze/expand here when a dispatch mode is active): the recorder
         # must not count them, since the executor, which has no dispatch mode, never sees them
@@ -1141,7 +1149,8 @@ def _build(st: _State, level: str, time_unit: str) -> GraphTrace:
     outs = _node_outputs(nodes)
     output_saved = [any(k in node.saved_outputs for k in outs[v]) for v, node in enumerate(nodes)]
     loss_node = owner.get(st.loss_key)
-    roots = _merge_unsaved(nodes, outs, output_saved, loss_node)
+    saves_constants = {v for savers in grouping.constant_savers.values() for v in savers}
+    roots = _merge_unsaved(nodes, outs, output_saved, loss_node, saves_constants)
     final = _loss_ancestors(nodes, roots, loss_node)
     index = {x: i for i, x in enumerate(final)}
     for c in range(len(calls)):
@@ -1327,7 +1336,11 @@ def _node_outputs(nodes: list[_N]) -> list[list[int]]:
 
 
 def _merge_unsaved(
-    nodes: list[_N], outs: list[list[int]], output_saved: list[bool], loss_node: int | None
+    nodes: list[_N],
+    outs: list[list[int]],
+    output_saved: list[bool],
+    loss_node: int | None,
+    saves_constants: set[int],
 ) -> list[int]:
     """Merge each node whose output nobody saves into its only consumer (latest first), in
     place, unless one runs inside the model and the other not, or ``runs_between`` forbids it.
@@ -1348,11 +1361,17 @@ def _merge_unsaved(
     orders = [o for o, _ in by_order]
 
     def runs_between(v: int, w: int) -> bool:
-        """True when ``v``'s backward keeps tensors (a residual, saved inputs) and a node of
-        neither group runs between ``v`` and ``w``: the engine runs that node's backward
-        between theirs too, so ``v``'s saved tensors outlive ``w``'s backward (RegNet's
-        projection batch norm, then the residual branch, then the sum)."""
-        if not (nodes[v].own_saved or nodes[v].saved_inputs):
+        """True when ``v``'s backward keeps tensors (a residual, saved inputs, a saved
+        constant) and a node of neither group runs between ``v`` and ``w``: the engine runs
+        that node's backward between theirs too, so ``v``'s saved tensors outlive ``w``'s
+        backward (RegNet's projection batch norm, then the residual branch, then the sum).
+        A constant counts: a BERT attention on frozen inputs had its value projection, which
+        saves only the frozen hidden states, merged into the product with the probabilities
+        across the scores' calls; the two nodes then ran by turns, and the value's gradient,
+        made by the product's backward before the softmax's and freed by the projection's
+        after it, was live through the softmax's backward, where a plan measured 3,968 B above
+        its prediction (the simulator runs a node's backward at once)."""
+        if not (nodes[v].own_saved or nodes[v].saved_inputs or v in saves_constants):
             return False
         lo = bisect.bisect_right(orders, nodes[v].order)
         hi = bisect.bisect_left(orders, nodes[w].order)
@@ -1494,20 +1513,19 @@ def _backward_peaks(
     peak = [0] * n
     small = [0] * n
     grown = [0] * n
-    last_end: list[int | None] = [None] * n
-    owner_of_last = None
+    last_end = [0] * n
+    gaps = _Gaps(n, backward=True)
     for index, pre, post, span in st.backward:
         v = call_node[index]
         if v is None or pre < 0:
             continue
-        if last_end[v] is not None and owner_of_last == v:
-            grown[v] += value(pre, pre) - value(last_end[v], last_end[v])
+        grown[v] += gaps.change(v, value(pre, pre) - value(last_end[v], last_end[v]))
         big, little = _scratch(st, span, pre, post)
         excess = value(pre, post) - value(pre, pre) + big
         peak[v] = max(peak[v], grown[v] + excess)
         small[v] = max(small[v], grown[v] + excess + little)
         grown[v] += value(post, post) - value(pre, pre)
-        last_end[v], owner_of_last = post, v
+        last_end[v] = post
     return peak, small
 
 
@@ -1655,6 +1673,84 @@ def _constants(
     return tuple(out)
 
 
+class _Gaps:
+    """What the bytes live between two calls (or autograd functions) of one node add to its
+    walk, in the order the walk visits them. With no other node's in between: the change.
+    Otherwise the other nodes' work is theirs, but when two nodes' calls interleave (a BERT
+    attention's query-key node and its value node: the value's projection runs between the
+    keys' and the scores'), what one leaves is live through the other's calls, which the
+    simulator runs one after the other: a rise left by a node the simulator runs after this
+    one (``later``) is counted, an upper bound. In the forward that is a node of a higher
+    index (one of a lower index has run, its bytes are live there); in the backward any node,
+    since the simulator counts the other's state when its backward is done, not while it runs
+    (the value's gradient, made by the product's backward before the softmax's and freed by
+    the value projection's after it: a frozen BERT's plan measured 3,968 B above its
+    prediction at the softmax's backward)."""
+
+    def __init__(self, n: int, backward: bool) -> None:
+        self.backward = backward
+        self.owners: list[int] = []
+        self.last = [-1] * n  # per node, the position of its last call in ``owners``
+
+    def change(self, v: int, change: int) -> int:
+        """The gap's ``change`` as it counts for node ``v``, whose call is the next."""
+        start = self.last[v]
+        self.last[v] = len(self.owners)
+        others = self.owners[start + 1 :] if start >= 0 else []
+        self.owners.append(v)
+        if start < 0 or not others:
+            return change if start >= 0 else 0
+        later = self.backward or min(others) > v
+        return max(0, change) if later else 0
+
+
+class _WithoutGrad:
+    """The forward walk of :func:`_overheads` as the node runs without grad (``F_none``): what
+    autograd keeps only for the backward is gone there. A tensor a call saves that is neither
+    its input nor its output (batch norm's and layer norm's statistics, a dropout mask made
+    inside ``F.dropout``) dies with the call; an output of the node's calls that a later call
+    of it saves (a linear's output saved by the GELU after it) dies when the program lets go
+    of its last tensor object (``st.released``), not at the backward. Everything else is as
+    recorded, so the walk is the grad-mode one less those bytes: a layer norm recomputed
+    without grad still peaks with its statistics, which it frees on return (the walk that
+    took the grad-mode peak less the saved bytes had a frozen BERT's checkpointed layer
+    norm 512 B low, and a plan at its least budget 1,044 B over it)."""
+
+    def __init__(self, st: _State, n: int) -> None:
+        self.st = st
+        self.peak = [0] * n
+        self.grown = [0] * n
+        self.made: list[set[int]] = [set() for _ in range(n)]  # storages the node's calls made
+        self.pending: list[dict[int, int]] = [{} for _ in range(n)]  # saved outputs still held
+
+    def call(self, v: int, rec: _Rec, excess: int, rise: int) -> None:
+        """One call of node ``v``: its peak ``excess`` over its start, its recorded ``rise``."""
+        made = self.made[v]
+        made.update(k for k, new in zip(rec.out_keys, rec.new, strict=True) if new)
+        inside = 0  # made and saved inside the call: freed on return
+        seen: set[int] = set()
+        for k, nbytes in rec.saves:
+            if k in seen:
+                continue
+            seen.add(k)
+            if k in made:
+                self.pending[v].setdefault(k, nbytes)
+            elif k not in rec.arg_keys and k not in rec.out_keys:
+                inside += nbytes
+        # the call's peak without grad: one ATen op makes what it saves with its output (layer
+        # norm's statistics), all there at its peak; what the ops of a call that runs several
+        # saved for the backward only (the scores and probabilities of an attention computed
+        # op by op) is taken as gone, as each is freed once the next op has read it
+        self.peak[v] = max(self.peak[v], self.grown[v] + excess - (inside if rec.ops > 1 else 0))
+        self.grown[v] += rise - inside
+        released = self.st.released
+        for k in [
+            k for k in self.pending[v] if released.get(k, len(self.st.calls) + 1) <= rec.index + 1
+        ]:
+            if not self.st.holders.get(k, 0):
+                self.grown[v] -= self.pending[v].pop(k)
+
+
 def _overheads(
     st: _State, nodes: list[Node], call_node: list[int | None]
 ) -> tuple[list[Node], tuple[tuple[int, int], ...], list[int | None]]:
@@ -1680,22 +1776,25 @@ def _overheads(
     fwd_small = [0] * n  # the peak with the small scratch
     peak_call: list[int | None] = [None] * n
     grown = [0] * n
-    last_end: list[int | None] = [None] * n
-    owner_of_last = None
+    last_end = [0] * n
+    gaps = _Gaps(n, backward=False)
+    without_grad = _WithoutGrad(st, n)
     for rec in st.calls:
         v = call_node[rec.index]
         if v is None or rec.mem[0] < 0:
             continue
         start, end = rec.mem
-        if last_end[v] is not None and owner_of_last == v:
-            grown[v] += value(start, start) - value(last_end[v], last_end[v])
+        gap = gaps.change(v, value(start, start) - value(last_end[v], last_end[v]))
+        grown[v] += gap
+        without_grad.grown[v] += gap
         big, little = _scratch(st, rec.span, start, end)
         excess = value(start, end) - value(start, start) + big
         if peak_call[v] is None or grown[v] + excess > fwd_peak[v]:
             fwd_peak[v], peak_call[v] = max(fwd_peak[v], grown[v] + excess), rec.index
         fwd_small[v] = max(fwd_small[v], grown[v] + excess + little)
         grown[v] += value(end, end) - value(start, start)
-        last_end[v], owner_of_last = end, v
+        without_grad.call(v, rec, excess, value(end, end) - value(start, start))
+        last_end[v] = end
     bwd_peak, bwd_small = _backward_peaks(st, call_node, n, value)
     input_grads = _new_input_grads(nodes)
     out = []
@@ -1704,7 +1803,15 @@ def _overheads(
         new_grads = input_grads[v]
         fwd = max(0, fwd_peak[v] - node.saved_bytes)
         bwd = max(node.bwd_overhead_floor, bwd_peak[v] - new_grads)
-        out.append(replace(node, fwd_overhead_bytes=fwd, bwd_overhead_bytes=bwd))
+        none = max(0, without_grad.peak[v] - node.out_bytes) if peak_call[v] is not None else None
+        out.append(
+            replace(
+                node,
+                fwd_overhead_bytes=fwd,
+                bwd_overhead_bytes=bwd,
+                fwd_none_overhead_bytes=None if none == fwd else none,
+            )
+        )
         # in the simulator's terms too: what the small scratch adds to each overhead
         small.append(
             (
