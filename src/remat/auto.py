@@ -534,6 +534,13 @@ def step_costs(
         now = _Trained(
             fixed_bytes(model, optimizer), grads, optimizer_costs(model, optimizer)[1], False
         )
+    scalars = scalar_costs(captured, _device(model))
+    criterion = _criterion(loss_fn, batch, captured, loop)
+    if criterion:
+        # the loop's loss is its own criterion's, in a dtype the capture did not see: at least
+        # a float32 scalar (a bfloat16 model's cross-entropy on its logits made float measured
+        # 4 B above the prediction that took the bfloat16 sum's loss and seed)
+        scalars["loss_bytes"] = max(scalars["loss_bytes"], allocated_bytes(4, _device(model)))
     return StepCosts(
         persistent_bytes=now.fixed - sum(now.grads),
         grad_bytes=tuple(now.grads),
@@ -542,10 +549,10 @@ def step_costs(
         grads_live=now.live,
         output_held_bytes=output_held_bytes(loop, captured.output_bytes),
         input_bytes=captured.graph.input_bytes if graph else captured.chain.input_bytes,
-        **scalar_costs(captured, _device(model)),
+        **scalars,
         checkpoint_state_bytes=checkpoint_state_bytes(),
         checkpoint_states="per-random-call" if graph else "per-segment",
-        **_criterion(loss_fn, batch, captured, loop),
+        **criterion,
     )
 
 

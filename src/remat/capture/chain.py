@@ -100,6 +100,7 @@ from remat.guards import (
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
     AllocatorWindow,
+    criterion_input_bytes,
     garbage_collected,
     output_tensors,
     unique_storage_bytes,
@@ -138,8 +139,9 @@ class Captured:
     Face model's loss), parameters, buffers and the batch excluded: what a training loop that
     holds the output keeps through the step (:class:`remat.core.step.StepCosts`)."""
     largest_output_bytes: int = 0
-    """Bytes of the largest tensor of that output (the logits): what a criterion the loop
-    applies to it may save for its backward (:func:`remat.core.step.criterion_costs`)."""
+    """Bytes of the largest tensor of that output (the logits) as a criterion reads it, half
+    precision at float32 (:func:`remat.measure.events.criterion_input_bytes`): what a criterion
+    the loop applies to it may save for its backward (:func:`remat.core.step.criterion_costs`)."""
     output_has_loss: bool = False
     """The output has its own ``.loss`` tensor (a Hugging Face model given labels, a model that
     computes its criterion inside): the loss remat captured is the loop's, not the output's
@@ -515,10 +517,16 @@ def _measure_chain(
                             raise ValueError(ONE_MODEL_CALL)
                         out = split.finish(module(inp), *a, **k)
                         if not held:
-                            new = _keys(output_tensors(out))
+                            tensors = output_tensors(out)
+                            new = _keys(tensors)
                             kept = [v for key, v in new.items() if key not in skip]
+                            read = [
+                                criterion_input_bytes(t)
+                                for t in tensors
+                                if t.untyped_storage()._cdata not in skip
+                            ]
                             has_loss = isinstance(getattr(out, "loss", None), torch.Tensor)
-                            held.append((sum(kept), max(kept, default=0), has_loss))
+                            held.append((sum(kept), max(read, default=0), has_loss))
                         return out
 
                     return loss_fn(_ModelProxy(model, call), batch)  # type: ignore[arg-type]

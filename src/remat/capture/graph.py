@@ -119,6 +119,7 @@ from remat.guards import tensor_version as _version
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
     allocation_bytes,
+    criterion_input_bytes,
     garbage_collected,
     output_tensors,
     scratch_bytes,
@@ -440,14 +441,18 @@ def _key(st: _State, t: torch.Tensor) -> int:
 
 
 def _output_bytes(st: _State, out: Any) -> tuple[int, int]:
-    """Bytes of the tensors in ``out``, and of the largest of them, that are not parameters, buffers or the batch (each
-    tensor once; from its shape alone: touching its storage here perturbs the tracker)."""
+    """Bytes of the tensors in ``out`` that are not parameters, buffers or the batch, and of
+    the largest of them as a criterion reads it (:func:`~remat.measure.events.
+    criterion_input_bytes`; each tensor once; from its shape alone: touching its storage here
+    perturbs the tracker)."""
     fixed = {id(t) for t in (*st.root.parameters(), *st.root.buffers())}
     seen: dict[int, int] = {}
+    read: dict[int, int] = {}  # as a criterion reads them (criterion_input_bytes)
     for t in output_tensors(out):
         if id(t) not in fixed and id(t) not in st.batch_ids:
             seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values()), max(seen.values(), default=0)
+            read[id(t)] = criterion_input_bytes(t)
+    return sum(seen.values()), max(read.values(), default=0)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -118,8 +118,10 @@ dtype; the output's gradient included, which the backward then passes to the mod
 with the allocator's events on the CPU (``tests/test_step_criteria.py`` checks every entry):
 cross-entropy's log-softmax, the gradient of its negative log-likelihood and the logits'
 gradient are 3; a squared error by hand saves the difference, and its backward makes the mean's
-gradient, the power's derivative and its product. Not covered: a criterion autocast runs in a
-wider dtype than the output's (float32 for bfloat16 logits), or one that makes more
+gradient, the power's derivative and its product. Half-precision logits count at float32 (the
+captures' ``largest_output_bytes``: :func:`remat.measure.events.criterion_input_bytes`), which
+covers a criterion on them made float (cross-entropy of bfloat16 logits ``.float()``: the copy,
+its log-softmax and gradients, 3.5 float32 outputs). Not covered: one that makes more
 output-sized temporaries than these; pass ``loss_fn`` then (its memory is measured)."""
 
 CRITERION_PEAK_OUTPUTS = max(CRITERIA.values())

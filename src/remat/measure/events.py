@@ -110,6 +110,16 @@ def allocation_bytes(t: torch.Tensor) -> int:
     return allocated_bytes(t.numel() * t.element_size(), t.device)
 
 
+def criterion_input_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` as a loop's criterion reads it: a half-precision floating tensor at
+    float32 (criteria upcast low-precision logits: Hugging Face's losses call ``.float()``,
+    autocast runs ``cross_entropy`` in float32), any other as it is. The unit of
+    :func:`remat.core.step.criterion_costs`."""
+    if t.is_floating_point() and t.element_size() < 4:
+        return t.numel() * 4
+    return t.numel() * t.element_size()
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """Bytes per storage behind ``tensors`` (keyed by storage identity, each storage once; fake
     tensors too, whose storages have no address)."""
