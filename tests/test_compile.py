@@ -748,3 +748,35 @@ def test_more_stages_of_one_class_than_dynamos_recompile_limit_all_compile() -> 
     finally:
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("eager_least", "says"), [(400, "which this budget meets"), (700, "")])
+def test_a_compiled_refusal_names_the_eager_least_when_compile_holds_more(
+    monkeypatch: pytest.MonkeyPatch, eager_least: int, says: str
+) -> None:
+    # inductor on the CPU holds more than eager on CNNs: torchvision's ResNet-10 (8 x 64²)
+    # steps at 75,453,968 B compiled against 49,725,944 B eager, so a frozen ResNet-10 that
+    # eager remat plans at 41,242,872 B was refused compiled at 50 MB, naming 63,749,308 B;
+    # the refusal now says what compile=False reaches
+    import importlib
+
+    from remat.planners import BudgetTooSmallError
+
+    auto_module = importlib.import_module("remat.auto")  # (remat.auto is also the function)
+
+    def fake_auto(*args: Any) -> Any:
+        compile = args[-1]
+        least = 900 if compile else eager_least
+        raise BudgetTooSmallError(args[3], least, "optimal-time", "compiled" if compile else "")
+
+    monkeypatch.setattr(auto_module, "_auto", fake_auto)
+    with pytest.raises(BudgetTooSmallError) as refused:
+        remat.auto(nn.Linear(2, 2), torch.randn(1, 2), budget=500, compile=True)
+    assert refused.value.minimum_bytes == 900  # the compiled least: what compile=True accepts
+    message = str(refused.value)
+    assert f"without compile (compile=False) the least is {eager_least:,} B" in message
+    assert (says in message) if says else "which this budget meets" not in message
+    # eager refusals are left as they are
+    with pytest.raises(BudgetTooSmallError) as eager:
+        remat.auto(nn.Linear(2, 2), torch.randn(1, 2), budget=500)
+    assert "without compile" not in str(eager.value)

@@ -149,6 +149,7 @@ class BudgetTooSmallError(ValueError):
         self.minimum_bytes = minimum_bytes
         self.method = method
         self.kind = kind
+        self.detail = detail
         message = (
             f"{kind} budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the "
             f"minimum feasible {kind} peak {format_bytes(minimum_bytes)} ({minimum_bytes} B) for "
