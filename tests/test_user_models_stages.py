@@ -343,3 +343,45 @@ def test_hf_own_gradient_checkpointing_is_refused_everywhere(hf, make):
         apply_graph(model, remat.graphs.GraphPlan.none(), graph)
     model.gradient_checkpointing_disable()
     apply_graph(model, remat.graphs.GraphPlan.none(), graph)
+
+
+def _resnet10() -> nn.Module:
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
+
+
+@pytest.mark.parametrize("where", ["layer2", ""])
+def test_a_container_with_its_own_hooks_is_not_cut_into_stages(where: str) -> None:
+    # torchvision's ResNet is cut into its residual blocks: layer2's forward (and the model's
+    # own) never runs, so a forward hook keeping layer2's output for a feature loss never
+    # fired (the loss raised KeyError; a stale tensor from an earlier call would have been
+    # used silently). The stages are refused; auto plans the module graph, which runs the
+    # model's own forward, and the gradients equal eager's
+    model = _resnet10()
+    feats: dict[str, torch.Tensor] = {}
+    model.get_submodule(where).register_forward_hook(lambda m, i, o: feats.__setitem__("f", o))
+    with pytest.raises(UnsupportedModelError, match=f"{where or 'the model'} .*has hooks"):
+        split_stages(model)
+    # a hook on a module a stage runs fires: such stages are kept
+    inner = _resnet10()
+    inner.layer2[0].register_forward_hook(lambda m, i, o: feats.__setitem__("g", o))
+    assert split_stages(inner).n == 6
+
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        out = m(batch)
+        return nn.functional.cross_entropy(out, y) + feats["f"].float().pow(2).mean()
+
+    reference = _resnet10()
+    reference.load_state_dict(model.state_dict())
+    reference.get_submodule(where).register_forward_hook(lambda m, i, o: feats.__setitem__("f", o))
+    loss_fn(reference, x).backward()
+    with pytest.warns(UserWarning, match="has hooks of its own"):
+        planned, summary = remat.auto(model, x, loss_fn=loss_fn, budget="1GB")
+    assert "graph" in str(summary)
+    loss_fn(planned, x).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

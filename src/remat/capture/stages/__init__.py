@@ -109,12 +109,40 @@ def split_stages(model: nn.Module, stages: Sequence[str] | None = None) -> Stage
             )
         names = list(stages)
         result = split_named(model, names)
+        _check_hooks_run(model, result)
         return replace(result, split_again=functools.partial(split_stages, model, names))
     for splitter in FAMILIES:
         result = splitter(model)
         if result is not None:
+            _check_hooks_run(model, result)
             return replace(result, split_again=functools.partial(split_stages, model))
     raise UnsupportedModelError(
         f"remat does not know how to cut a {type(model).__module__}.{type(model).__qualname__} "
         f"into stages. {SUPPORTED_HELP}"
     )
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _check_hooks_run(model: nn.Module, stages: Stages) -> None:
+    """Refuse stages that would skip a module's hooks: the stages run the modules they hold
+    (and ``prepare``/``finish`` call theirs), not the containers around them. A container
+    whose forward the model runs (the model itself, torchvision's ``layer2`` around its
+    residual blocks) and that has hooks of its own would not fire them: a forward hook
+    that keeps ``layer2``'s output for a feature loss raised ``KeyError`` in the loss (and
+    would have kept a stale tensor silently). Raises :class:`UnsupportedModelError` (``auto``
+    then plans the module graph, which runs the model's own forward)."""
+    inside = {id(m) for stage in stages.modules for m in stage.modules()}
+    for name, module in model.named_modules():
+        if id(module) in inside or isinstance(module, nn.ModuleList | nn.ModuleDict):
+            continue  # run by a stage; or no forward at all (its hooks never fire)
+        hooks = [h for h in _HOOKS if getattr(module, h, None)]
+        if hooks and any(id(m) in inside for m in module.modules()):
+            raise UnsupportedModelError(
+                f"{name or 'the model'} ({type(module).__name__}) has hooks of its own "
+                f"({', '.join(h.strip('_') for h in hooks)}), but remat's {stages.kind} stages "
+                "run the modules inside it, not its forward, so they would not fire: register "
+                "them on a stage module or a module inside one, or let remat plan the module "
+                "graph (remat.auto does when the stages cannot be used)"
+            )
