@@ -38,3 +38,17 @@ class Skip(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h + skip)
+
+
+class Recurrent(nn.Module):
+    """An embedding, a 2-layer LSTM and a head: a recurrent model (the graph path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 32)
+        self.rnn = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.emb(ids))
+        return self.head(out[:, -1])

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from models import Recurrent
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -409,3 +410,36 @@ def test_a_fake_plan_of_a_cnn_meets_its_least_budget_for_real() -> None:
 
     measured = step_peak_bytes(step, planned, opt, loop.data)
     assert measured <= least, (measured, least)
+
+
+def test_a_recurrent_model_is_refused_under_fake_tensors_and_never_crashes_the_probe() -> None:
+    # nn.LSTM on the CPU runs oneDNN's kernel, which saves a workspace for the backward (2 MB
+    # per layer here) that its fake kernel leaves out: a fake plan at its least (1,359,180 B)
+    # measured 5,884,072 B. And the scratch probe ran oneDNN's LSTM backward for real on the
+    # fake forward's workspace shape: the process died (SIGSEGV)
+    import remat
+
+    torch.manual_seed(0)
+    model = Recurrent()
+    ids, y = torch.randint(0, 128, (8, 64)), torch.randint(0, 5, (8,))
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch), y)
+
+    with pytest.raises(ValueError, match="fake tensors cannot count rnn's memory"):
+        remat.auto(model, ids, loss_fn=loss_fn, budget="1GB", fake=True)
+
+    class FunctionalLSTM(nn.Module):  # the same kernel, called without nn.LSTM
+        def __init__(self, lstm: nn.LSTM) -> None:
+            super().__init__()
+            self.weights = nn.ParameterList(lstm._flat_weights)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x.new_zeros(2, x.shape[0], 64)
+            out, _, _ = torch.lstm(x, (h, h), list(self.weights), True, 2, 0.0, True, False, True)
+            return out.sum()
+
+    lstm = FunctionalLSTM(model.rnn)
+    x = torch.randn(8, 64, 32)
+    with pytest.warns(UserWarning, match="mkldnn_rnn_layer_backward"):
+        trace_graph(lstm, x, lambda m, b: m(b), fake=True)

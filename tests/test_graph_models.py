@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import Recurrent
 from test_graph_capture import saved_bytes_of_one_forward
 from torch import nn
 
@@ -161,18 +162,6 @@ def test_bert_capture_at_both_levels() -> None:
     check_executor(model, batch, loss_fn, {"op": traces["op"]}, peak_levels=())
 
 
-class _Recurrent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(128, 32)
-        self.rnn = nn.LSTM(32, 64, num_layers=2, batch_first=True)
-        self.head = nn.Linear(64, 5)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(self.emb(ids))
-        return self.head(out[:, -1])
-
-
 def test_an_lstm_planned_on_its_module_graph_trains_with_eager_gradients() -> None:
     # the graph executor traces the model under fake tensors to match the graph it was given;
     # a real LSTM step on the CPU runs oneDNN's kernel, which saves a 4.3 MB workspace the
@@ -183,7 +172,7 @@ def test_an_lstm_planned_on_its_module_graph_trains_with_eager_gradients() -> No
     import remat
 
     torch.manual_seed(0)
-    model = _Recurrent()
+    model = Recurrent()
     reference = copy.deepcopy(model)
     ids, y = torch.randint(0, 128, (8, 64)), torch.randint(0, 5, (8,))
 

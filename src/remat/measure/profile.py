@@ -726,6 +726,15 @@ def fake_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    for name, module in model.named_modules():
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        if isinstance(module, nn.RNNBase) and device != "cuda":
+            raise ValueError(
+                f"fake tensors cannot count {name or 'the model'}'s memory "
+                f"({type(module).__name__}): on the CPU its oneDNN kernel saves a workspace for "
+                "the backward (2 MB per layer for a 2-layer LSTM of 64 units over 8 x 64 "
+                "steps) that its fake kernel leaves out; capture the model with fake=False"
+            )
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
     originals: list[tuple[dict[str, Any], str, torch.Tensor]] = []

@@ -79,6 +79,11 @@ _NO_SCRATCH = frozenset(
 allocate none: GPT-2's CPU step has no scratch) and copies. The largest ops of a transformer:
 probing them would hold their inputs and outputs once more while planning."""
 
+_WORKSPACE_READERS = ("rnn", "lstm", "gru")
+"""Backward ops whose name holds one of these read a workspace their forward kernel wrote:
+run on zeros (or on the fake forward's workspace shape) they may read out of bounds (oneDNN's
+LSTM backward, ``aten.mkldnn_rnn_layer_backward``, crashed the process). Not probed."""
+
 _SCRATCH: dict[tuple[Any, ...], int] = {}
 """Measured scratch bytes per op and argument metadata (this process)."""
 
@@ -139,7 +144,8 @@ class ScratchProbe(TorchDispatchMode):
                 "fake capture: the kernel scratch memory of "
                 f"{', '.join(sorted(self.unmeasured)[:5])} was not measured (over "
                 f"{PROBE_MAX_BYTES >> 30} GiB of inputs and outputs, on a device this process "
-                "cannot run, or inside a torch.profiler session): a convolution's or a batch "
+                "cannot run, inside a torch.profiler session, or a backward that reads its "
+                "forward kernel's workspace): a convolution's or a batch "
                 "norm's workspace may make the step peak above the prediction; plan on the "
                 "device the model trains on, outside the profiler",
                 stacklevel=2,
@@ -172,6 +178,10 @@ class ScratchProbe(TorchDispatchMode):
             or any(tag in func.tags for tag in _SKIPPED_TAGS)
             or func.name() in _NO_SCRATCH
         ):
+            return 0
+        name = func.name()
+        if "backward" in name and any(w in name for w in _WORKSPACE_READERS):
+            self.unmeasured.add(name)
             return 0
         flat, _ = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
