@@ -60,15 +60,20 @@ def _mlp() -> zoo.ZooModel:
 
 
 def _real_calls(model: nn.Module) -> tuple[list[str], object]:
-    """Records every call of the model on a tensor that is not fake."""
+    """Records every call of the model or of one of its modules on a tensor that is not fake
+    (a global hook: a hook of the model's own would refuse its stages, which would not run it,
+    remat.capture.stages._check_hooks_run)."""
     seen: list[str] = []
+    mine = {id(m) for m in model.modules()}
 
     def hook(module: nn.Module, args: tuple) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if any(not isinstance(t, FakeTensor) and t.device.type != "meta" for t in tensors):
+        if id(module) in mine and any(
+            not isinstance(t, FakeTensor) and t.device.type != "meta" for t in tensors
+        ):
             seen.append(type(module).__name__)
 
-    return seen, model.register_forward_pre_hook(hook)
+    return seen, nn.modules.module.register_module_forward_pre_hook(hook)
 
 
 # ---------------------------------------------------------------- (a) bytes: fake == real
