@@ -385,3 +385,38 @@ def test_a_container_with_its_own_hooks_is_not_cut_into_stages(where: str) -> No
     loss_fn(planned, x).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["layer2", "layer2.0", "layer3.0.bn1"])
+def test_a_feature_hook_the_loss_reads_is_planned_within_the_least_budget(where: str) -> None:
+    # a feature loss: a forward hook keeps a layer's output in a dict and the loss reads it.
+    # The dict holds it through the backward (the plan cannot free it) and the last step's
+    # until the next overwrites it: the module graph's plan at its least measured 262,144 B
+    # over it (hook on layer2). And on the chain path (hook on a module a stage runs) the
+    # stages, measured one at a time, raised "backward through the graph a second time"
+    from remat.measure.events import step_peak_bytes
+    from remat.planners import BudgetTooSmallError
+
+    model = _resnet10()
+    feats: dict[str, torch.Tensor] = {}
+    model.get_submodule(where).register_forward_hook(lambda m, i, o: feats.__setitem__("f", o))
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch), y) + 1e-3 * feats["f"].pow(2).mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(BudgetTooSmallError) as refused:
+            remat.auto(model, x, loss_fn=loss_fn, budget=1, optimizer=opt)
+        least = refused.value.minimum_bytes
+        planned, summary = remat.auto(model, x, loss_fn=loss_fn, budget=least, optimizer=opt)
+    assert "graph" in str(summary) and summary.plan.segments
+
+    def step() -> None:
+        loss_fn(planned, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    assert step_peak_bytes(step, model, opt, (x, y)) <= least

@@ -542,7 +542,8 @@ def step_costs(
         # 4 B above the prediction that took the bfloat16 sum's loss and seed)
         scalars["loss_bytes"] = max(scalars["loss_bytes"], allocated_bytes(4, _device(model)))
     return StepCosts(
-        persistent_bytes=now.fixed - sum(now.grads),
+        # with what the program keeps of a step past its end (a hook's feature dict)
+        persistent_bytes=now.fixed - sum(now.grads) + captured.held_past_step_bytes,
         grad_bytes=tuple(now.grads),
         grad_rise_bytes=tuple(captured.grad_rise_bytes or ()),
         optimizer_step_bytes=now.step_bytes,

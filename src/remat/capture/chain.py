@@ -79,7 +79,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -89,6 +89,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 
 from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
+from remat.core.errors import UnsupportedModelError
 from remat.guards import (
     BatchCopy,
     BufferSnapshot,
@@ -100,6 +101,7 @@ from remat.guards import (
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
     AllocatorWindow,
+    HeldPastStep,
     criterion_input_bytes,
     garbage_collected,
     output_tensors,
@@ -160,6 +162,10 @@ class Captured:
     running statistics left out), which the chain executor copies around a checkpoint
     (:attr:`remat.core.step.StepCosts.buffer_copy_bytes`). Empty when none, and under fake
     tensors (not known there)."""
+    held_past_step_bytes: int = 0
+    """Bytes of tensors the capture's step made that the program still held after it
+    (:class:`remat.measure.events.HeldPastStep`: a hook's feature dict, a cached attribute):
+    live all step whatever the plan (:func:`remat.auto.step_costs`)."""
     forward_kept_bytes: tuple[int, ...] = ()
     """Per stage, the wrapped scalars its forward saves without the saved-tensor hooks
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
@@ -262,8 +268,12 @@ def capture(
         raise ValueError("compile= needs a real capture (fake=False): it runs the stages")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
-    with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure.events
-        return _capture(model, batch, loss_fn, split, fake, repeats, progress, time_model, compile)
+    with HeldPastStep(model, batch) as held:
+        with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure.events
+            captured = _capture(
+                model, batch, loss_fn, split, fake, repeats, progress, time_model, compile
+            )
+    return replace(captured, held_past_step_bytes=held.bytes)
 
 
 def _capture(
@@ -548,6 +558,14 @@ def _measure_chain(
                         time_model=time_model,
                     )
             except RuntimeError as err:  # a leaf that requires grad written in place: whose?
+                if last and "backward through the graph a second time" in str(err):
+                    # the stages are measured apart: each one's backward has run by now
+                    raise UnsupportedModelError(
+                        "the loss reads a tensor an earlier stage made (a forward hook that "
+                        "keeps a layer's output for a feature loss?), so the stages cannot be "
+                        "measured one at a time; remat plans the module graph instead "
+                        "(remat.auto does), which runs the whole step"
+                    ) from err
                 if "in-place" in str(err) and _writes_input(run, x):
                     raise in_place_input_error(i + 1, split.names[i]) from err
                 raise

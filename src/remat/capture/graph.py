@@ -118,6 +118,7 @@ from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.guards import tensor_version as _version
 from remat.measure.calibration import TimeModel, WorkCounter
 from remat.measure.events import (
+    HeldPastStep,
     allocation_bytes,
     criterion_input_bytes,
     garbage_collected,
@@ -229,6 +230,10 @@ class GraphTrace:
     (:attr:`remat.capture.chain.Captured.output_has_loss`)."""
     loss_bytes: int = field(default=0)
     """Bytes of the loss tensor (:attr:`remat.core.step.StepCosts.loss_bytes`)."""
+    held_past_step_bytes: int = field(default=0)
+    """Bytes of tensors the recorded step made that the program still held after it
+    (:class:`remat.measure.events.HeldPastStep`: a hook's feature dict, a cached attribute):
+    live all step whatever the plan (:func:`remat.auto.step_costs`)."""
     forward_kept_bytes: tuple[int, ...] = field(default=())
     """Per node, the wrapped scalars its forward saves without the saved-tensor hooks
     (:func:`remat.capture.chain.unhooked_saves`, NOTE [ Saved wrapped scalars ]), kept from
@@ -309,6 +314,24 @@ def trace_levels(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     check_no_own_checkpointing(model)
     loss_fn = loss_fn or default_loss_fn
+    with HeldPastStep(model, batch) as held:
+        traces = _trace_levels(model, batch, loss_fn, levels, fake, repeats, costs, time_model)
+    return {
+        level: replace(trace, held_past_step_bytes=held.bytes) for level, trace in traces.items()
+    }
+
+
+def _trace_levels(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    levels: tuple[str, ...],
+    fake: bool,
+    repeats: int,
+    costs: bool,
+    time_model: TimeModel | None,
+) -> dict[str, GraphTrace]:
+    """:func:`trace_levels`' recording and grouping."""
     if fake:
         from torch._subclasses.fake_tensor import (
             DataDependentOutputException,

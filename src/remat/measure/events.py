@@ -34,6 +34,7 @@ from remat.guards import buffer_slots
 
 __all__ = [
     "AllocatorWindow",
+    "HeldPastStep",
     "storage_bytes",
     "output_tensors",
     "garbage_collected",
@@ -73,6 +74,45 @@ def garbage_collected() -> Iterator[None]:
     part of what it measures."""
     gc.collect()
     yield
+
+
+class HeldPastStep:
+    """The bytes of tensors made inside the block that are still alive after it: what the
+    program keeps of a step past its end, whatever remat plans (a forward hook that keeps a
+    layer's output in a dict for a feature loss holds it through the backward, and the last
+    step's until the next overwrites it; a module caching a tensor as an attribute). Each
+    storage once; parameters, buffers, their gradients and ``exclude`` left out. Read
+    :attr:`bytes` after the block; the block's own frames must be gone by then (call it
+    around a function, not inside it)."""
+
+    def __init__(self, model: torch.nn.Module, exclude: Any = ()) -> None:
+        self.model = model
+        self.exclude = exclude
+        self.bytes = 0
+        self._before: set[int] = set()
+
+    def __enter__(self) -> HeldPastStep:
+        gc.collect()
+        self._before = {id(t) for t in _live_tensors()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            return
+        gc.collect()
+        known = [*self.model.parameters(), *self.model.buffers(), *_flatten(self.exclude)]
+        known += [p.grad for p in self.model.parameters() if p.grad is not None]
+        skip = set(storage_bytes(known))
+        new = [t for t in _live_tensors() if id(t) not in self._before]
+        self.bytes = sum(b for k, b in storage_bytes(new).items() if k not in skip)
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    """Every strided tensor object the garbage collector tracks (plain and fake tensors,
+    parameters)."""
+    return [
+        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided
+    ]
 
 
 def output_tensors(obj: Any) -> list[torch.Tensor]:
