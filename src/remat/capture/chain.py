@@ -268,7 +268,7 @@ def capture(
         raise ValueError("compile= needs a real capture (fake=False): it runs the stages")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
-    with HeldPastStep(model, batch) as held:
+    with HeldPastStep(model, batch, fake) as held:
         with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure.events
             captured = _capture(
                 model, batch, loss_fn, split, fake, repeats, progress, time_model, compile

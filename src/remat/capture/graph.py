@@ -314,7 +314,7 @@ def trace_levels(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     check_no_own_checkpointing(model)
     loss_fn = loss_fn or default_loss_fn
-    with HeldPastStep(model, batch) as held:
+    with HeldPastStep(model, batch, fake) as held:
         traces = _trace_levels(model, batch, loss_fn, levels, fake, repeats, costs, time_model)
     return {
         level: replace(trace, held_past_step_bytes=held.bytes) for level, trace in traces.items()
