@@ -827,15 +827,14 @@ def auto(
         try:
             _auto(model, batch, loss_fn, 1, method, optimizer, stages, loop, fake, False)
         except BudgetTooSmallError as eager:
-            fits = "which this budget meets" if eager.minimum_bytes <= err.budget_bytes else ""
-            hint = (
-                f"without compile (compile=False) the least is {eager.minimum_bytes:,} B"
-                f"{', ' + fits if fits else ''}: torch.compile's step holds more than the eager "
-                "one here"
-                if eager.minimum_bytes < err.minimum_bytes
-                else ""
-            )
-            if hint:
+            if eager.minimum_bytes < err.minimum_bytes:
+                meets = (
+                    ", which this budget meets" if eager.minimum_bytes <= err.budget_bytes else ""
+                )
+                hint = (
+                    f"without compile (compile=False) the least is {eager.minimum_bytes:,} B"
+                    f"{meets}: torch.compile's step holds more than the eager one here"
+                )
                 detail = f"{err.detail}; {hint}" if err.detail else hint
                 raise BudgetTooSmallError(
                     err.budget_bytes, err.minimum_bytes, err.method, detail, kind=err.kind

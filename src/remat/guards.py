@@ -260,6 +260,15 @@ def running_stat(m: nn.Module, name: str) -> bool:
     )
 
 
+HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+"""A module's own hook tables (``register_forward_hook`` and the like)."""
+
+
+def own_hooks(m: nn.Module) -> list[str]:
+    """The hook tables of ``m`` that hold a hook (:data:`HOOK_TABLES`)."""
+    return [table for table in HOOK_TABLES if getattr(m, table, None)]
+
+
 def pauses_update(m: nn.Module) -> bool:
     """Whether batch norm ``m`` can be recomputed on its own running statistics with their
     update paused: its forward is torch's, which reads the update's factor from

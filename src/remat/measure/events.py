@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from remat.guards import buffer_slots
+from remat.guards import buffer_slots, own_hooks
 
 __all__ = [
     "AllocatorWindow",
@@ -132,9 +132,6 @@ class HeldPastStep:
         ]
 
 
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _hooked(model: torch.nn.Module) -> bool:
     """Whether a hook may keep a tensor: one of the model's modules has hooks, or every
     module has (``register_module_forward_hook``)."""
@@ -143,7 +140,7 @@ def _hooked(model: torch.nn.Module) -> bool:
     every = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
     if any(getattr(nn_module, name, None) for name in every):
         return True
-    return any(getattr(m, h, None) for m in model.modules() for h in _HOOK_TABLES)
+    return any(own_hooks(m) for m in model.modules())
 
 
 def _live_tensors(objects: Iterable[Any]) -> list[torch.Tensor]:

@@ -727,8 +727,9 @@ def fake_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for name, module in model.named_modules():
-        device = next((p.device.type for p in module.parameters()), "cpu")
-        if isinstance(module, nn.RNNBase) and device != "cuda":
+        if not isinstance(module, nn.RNNBase):
+            continue
+        if next((p.device.type for p in module.parameters()), "cpu") != "cuda":
             raise ValueError(
                 f"fake tensors cannot count {name or 'the model'}'s memory "
                 f"({type(module).__name__}): on the CPU its oneDNN kernel saves a workspace for "

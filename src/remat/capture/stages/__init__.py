@@ -78,7 +78,7 @@ from remat.capture.stages.families import FAMILIES
 from remat.capture.stages.named import split_named
 from remat.capture.stages.watch import StageWatch
 from remat.core.errors import UnsupportedModelError
-from remat.guards import check_no_own_checkpointing
+from remat.guards import check_no_own_checkpointing, own_hooks
 
 __all__ = [
     "Stages",
@@ -122,9 +122,6 @@ def split_stages(model: nn.Module, stages: Sequence[str] | None = None) -> Stage
     )
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _check_hooks_run(model: nn.Module, stages: Stages) -> None:
     """Refuse stages that would skip a module's hooks: the stages run the modules they hold
     (and ``prepare``/``finish`` call theirs), not the containers around them. A container
@@ -137,7 +134,7 @@ def _check_hooks_run(model: nn.Module, stages: Stages) -> None:
     for name, module in model.named_modules():
         if id(module) in inside or isinstance(module, nn.ModuleList | nn.ModuleDict):
             continue  # run by a stage; or no forward at all (its hooks never fire)
-        hooks = [h for h in _HOOKS if getattr(module, h, None)]
+        hooks = own_hooks(module)
         if hooks and any(id(m) in inside for m in module.modules()):
             raise UnsupportedModelError(
                 f"{name or 'the model'} ({type(module).__name__}) has hooks of its own "
