@@ -42,10 +42,12 @@ import remat
 from remat import zoo
 from remat.auto import predicted_step_peak_bytes
 from remat.capture.chain import capture
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.measure.events import SCRATCH_MIN_BYTES, interleaved_times, step_peak_bytes
 
-PLAN = Plan((Segment(1, 2, True), Segment(3, 3, True), Segment(4, 4)))
+PLAN = Plan.from_chain_segments(
+    (ChainSegment(1, 2, True), ChainSegment(3, 3, True), ChainSegment(4, 4))
+)
 
 
 def gpt2(dropout: float) -> tuple[nn.Module, Any, Any]:

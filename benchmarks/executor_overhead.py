@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat import zoo
 from remat.capture.stages import split_stages
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.execute.chain import apply
 
 
@@ -47,7 +47,7 @@ class TorchEach(nn.Module):
         super().__init__()
         self.model = model
         self._stages = stages
-        self._ckpt = {i for s in plan.segments if s.checkpoint for i in s.stages()}
+        self._ckpt = {v + 1 for v in plan.recomputed_nodes()}
         self._early_stop = early_stop
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -63,7 +63,7 @@ class TorchEach(nn.Module):
 
 def block_plan(n: int, blocks: range) -> Plan:
     """Checkpoint each stage in ``blocks`` on its own, store every other stage."""
-    return Plan(tuple(Segment(i, i, i in blocks) for i in range(1, n + 1)))
+    return Plan.from_chain_segments(tuple(ChainSegment(i, i, i in blocks) for i in range(1, n + 1)))
 
 
 def setups(name: str) -> tuple[dict[str, nn.Module], Any, Any]:

@@ -226,7 +226,7 @@ def _promise(report: Report, device: torch.device, name: str) -> None:
                 "section": "promises",
                 "model": name,
                 "budget": label,
-                "path": "graph" if isinstance(summary.plan, remat.graphs.GraphPlan) else "chain",
+                "path": "graph" if isinstance(summary.plan, remat.graphs.Plan) else "chain",
                 "budget_bytes": budget,
                 "predicted_peak_bytes": summary.predicted_peak_bytes,
                 "measured_peak_bytes": measured,

@@ -6,7 +6,7 @@ from typing import Any
 
 from remat.auto import scalar_costs
 from remat.capture.graph import GraphTrace
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import graph_step_peak
 from remat.core.step import StepCosts
 from remat.execute.graph import apply_graph
@@ -14,7 +14,7 @@ from remat.measure.events import step_peak_bytes, unique_storage_bytes
 
 
 def measured_and_predicted(
-    model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: GraphPlan, data: Any = None
+    model: Any, batch: Any, loss_fn: Any, trace: GraphTrace, plan: Plan, data: Any = None
 ) -> tuple[int, int, int]:
     """The whole step's peak counted from the allocator's events (remat.measure.events), its
     prediction from the graph (graph_step_peak, with the scalars the capture found:

@@ -2,7 +2,7 @@
 
 A plan over stages ``s..t`` is a sequence of segments covering them in order. Two stored
 segments are never adjacent (``[1-2] [3]`` is ``[1-3]``: the same execution), and a
-checkpointed segment never has a single checkpointed child over its own range (``Segment``
+checkpointed segment never has a single checkpointed child over its own range (``ChainSegment``
 rejects it). Every other tree is enumerated, so minima over this list are the true minima over
 the plan space of :mod:`remat.core.plan`. Counts: n = 1: 2 plans, 2: 8, 3: 40, 4: 224, 5: 1,344,
 6: 8,448 (keep brute force to n <= 6).
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from functools import cache
 
-from remat import Chain, Plan, Segment, simulate
+from remat import Chain, ChainSegment, Plan, simulate
 
 __all__ = ["nested_plans", "brute_force"]
 
 
 def nested_plans(n: int) -> list[Plan]:
     """Every nested plan of a chain with ``n`` stages (canonical forms, no duplicates)."""
-    return [Plan(segments) for segments in _sequences(1, n)]
+    return [Plan.from_chain_segments(segments) for segments in _sequences(1, n)]
 
 
 def brute_force(chain: Chain) -> list[tuple[int, float, Plan]]:
@@ -38,23 +38,23 @@ def min_time_within(rows: list[tuple[int, float, Plan]], budget: int) -> float |
 
 
 @cache
-def _sequences(s: int, t: int) -> tuple[tuple[Segment, ...], ...]:
+def _sequences(s: int, t: int) -> tuple[tuple[ChainSegment, ...], ...]:
     """All segment sequences covering ``s..t``."""
     plain = _not_single_checkpoint(s, t)
-    whole = tuple((Segment(s, t, True, children),) for children in plain)
+    whole = tuple((ChainSegment(s, t, True, children),) for children in plain)
     return plain + whole
 
 
 @cache
-def _not_single_checkpoint(s: int, t: int) -> tuple[tuple[Segment, ...], ...]:
+def _not_single_checkpoint(s: int, t: int) -> tuple[tuple[ChainSegment, ...], ...]:
     """Sequences covering ``s..t`` other than one checkpointed segment over all of it."""
-    out: list[tuple[Segment, ...]] = [(Segment(s, t),)]
+    out: list[tuple[ChainSegment, ...]] = [(ChainSegment(s, t),)]
     for stop in range(s, t):  # first segment s..stop, then at least one more segment
         rests = _sequences(stop + 1, t)
         for rest in rests:
             if rest[0].checkpoint:  # a stored first segment must be followed by a checkpoint
-                out.append((Segment(s, stop), *rest))
+                out.append((ChainSegment(s, stop), *rest))
         for children in _not_single_checkpoint(s, stop):  # never checkpointed twice
-            first = Segment(s, stop, True, children)
+            first = ChainSegment(s, stop, True, children)
             out.extend((first, *rest) for rest in rests)
     return tuple(out)

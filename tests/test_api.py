@@ -53,7 +53,7 @@ def test_plan_stamps_prediction_and_fingerprint() -> None:
     sim = simulate(chain, p)
     assert p.predicted_peak_bytes == sim.peak_bytes
     assert p.predicted_time == sim.total_time
-    assert p.chain_fingerprint == chain.fingerprint
+    assert p.fingerprint == chain.fingerprint
     assert p.method == "every-stage"
 
 
@@ -120,13 +120,13 @@ def test_cli_help_lists_commands() -> None:
 
 def test_plan_and_simulate_dispatch_on_graphs() -> None:
     from remat.core.synthetic import residual_chain
-    from remat.graphs import Graph, GraphPlan, simulate_graph
+    from remat.graphs import Graph, Plan, simulate_graph
 
     graph = residual_chain(4)
     assert isinstance(graph, Graph)
     for method in ("reforward", "articulation"):
         p = remat.plan(graph, method)
-        assert isinstance(p, GraphPlan)
+        assert isinstance(p, Plan)
         assert simulate(graph, p).peak_bytes == simulate_graph(graph, p).peak_bytes
         assert p.predicted_peak_bytes == simulate(graph, p).peak_bytes
     with pytest.raises(TypeError, match="Chain or a Graph"):

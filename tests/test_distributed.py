@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import remat
-from remat import BudgetTooSmallError, Plan, PlanError, Segment
+from remat import BudgetTooSmallError, ChainSegment, Plan, PlanError
 from remat.capture.stages import split_stages
 from remat.distributed import (
     PlanMismatchError,
@@ -143,11 +143,13 @@ def resnet() -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], list[
 
 # nested plans (depth 2) with batch norm / dropout inside recomputed segments; GPT-2's six
 # stages: the embedding, each block's attention and MLP halves, the head
-GPT2_PLAN = Plan((Segment(1, 4, True, (Segment(1, 2, True), Segment(3, 4))), Segment(5, 6)))
-RESNET_PLAN = Plan(
+GPT2_PLAN = Plan.from_chain_segments(
+    (ChainSegment(1, 4, True, (ChainSegment(1, 2, True), ChainSegment(3, 4))), ChainSegment(5, 6))
+)
+RESNET_PLAN = Plan.from_chain_segments(
     (
-        Segment(1, 3, True, (Segment(1, 1), Segment(2, 3, True))),
-        Segment(4, 6, True, (Segment(4, 5, True), Segment(6, 6))),
+        ChainSegment(1, 3, True, (ChainSegment(1, 1), ChainSegment(2, 3, True))),
+        ChainSegment(4, 6, True, (ChainSegment(4, 5, True), ChainSegment(6, 6))),
     )
 )
 
@@ -232,7 +234,7 @@ def train_and_compare(
         opt.step()
         opt.zero_grad()
     # the first stage runs once in the forward and again in each enclosing recomputation
-    runs = 1 + sum(1 for seg in plan.walk() if seg.checkpoint and seg.start == 1)
+    runs = 1 + sum(1 for seg in plan.walk() if seg.first == 0)
     assert runs >= 2 and first_stage_calls[0] == runs * STEPS, (first_stage_calls, runs)
     for name, p in planned.named_parameters():
         _close(_full(p.detach()), ref["params"][_strip(name)], f"parameter {_strip(name)}")
@@ -277,7 +279,7 @@ def budget_check(rank: int, how: str) -> None:
     )
     predicted, predicted_unplanned = summary.predicted_peak_bytes, summary.unplanned_peak_bytes
     assert 0 < predicted <= budget < predicted_unplanned, (predicted, budget, predicted_unplanned)
-    assert any(seg.checkpoint for seg in summary.plan.segments), summary.plan.describe()
+    assert any(seg.checkpoint for seg in summary.plan.chain_segments()), summary.plan.describe()
     check_same_plan(planned)
     peak = _measured_peak(_wrap(planned, how), batch, loss_fn)
     numbers = (how, rank, peak, predicted, budget, unplanned_peak, predicted_unplanned)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat import Chain, Plan, Segment, simulate
+from remat import Chain, ChainSegment, Plan, simulate
 from remat.execute.chain import apply
 from remat.measure.events import step_peak_bytes
 
@@ -27,14 +27,23 @@ def _plans(n: int) -> dict[str, Plan]:
     half = n // 2
     return {
         "every-stage": Plan.every_stage(),
-        "blocks": Plan(tuple(Segment(i, i, 1 < i < n) for i in range(1, n + 1))),
+        "blocks": Plan.from_chain_segments(
+            tuple(ChainSegment(i, i, 1 < i < n) for i in range(1, n + 1))
+        ),
         "flat": Plan.from_checkpoints(n, [n // 3, 2 * n // 3]),
         # the parent's recomputation stops at its last child's input (early stop rule 1)
-        "trailing-child": Plan(
-            (Segment(1, n, True, (Segment(1, half, True), Segment(half + 1, n, True))),)
+        "trailing-child": Plan.from_chain_segments(
+            (
+                ChainSegment(
+                    1, n, True, (ChainSegment(1, half, True), ChainSegment(half + 1, n, True))
+                ),
+            )
         ),
-        "mixed": Plan(
-            (Segment(1, 1), Segment(2, n, True, (Segment(2, half), Segment(half + 1, n, True))))
+        "mixed": Plan.from_chain_segments(
+            (
+                ChainSegment(1, 1),
+                ChainSegment(2, n, True, (ChainSegment(2, half), ChainSegment(half + 1, n, True))),
+            )
         ),
     }
 
@@ -76,7 +85,7 @@ def test_early_stop_peak_within_simulation_and_gradients_equal(plan_name: str) -
     simulated = simulate(chain, plan).peak_bytes
     # not in the chain: parameter-gradient temporaries (< 0.5 activation here) and the CPU
     # random number generator state each checkpoint keeps until its backward
-    checkpoints = sum(seg.checkpoint for seg in plan.walk())
+    checkpoints = sum(1 for _ in plan.walk())
     extra = act // 2 + checkpoints * torch.get_rng_state().numel()
     assert measured <= exact, (plan.describe(), measured / act, exact / act)
     assert measured <= simulated + extra, (plan.describe(), measured / act, simulated / act)
@@ -113,7 +122,13 @@ def test_compiled_planned_module_has_no_graph_break(kind: str) -> None:
     reference = copy.deepcopy(model)
     out = reference(inputs)
     (out if kind == "tensor" else out[0]).sum().backward()
-    plan = Plan((Segment(1, 6, True, (Segment(1, 3, True), Segment(4, 5), Segment(6, 6, True))),))
+    plan = Plan.from_chain_segments(
+        (
+            ChainSegment(
+                1, 6, True, (ChainSegment(1, 3, True), ChainSegment(4, 5), ChainSegment(6, 6, True))
+            ),
+        )
+    )
     planned = apply(model, plan)
     torch._dynamo.reset()
     counters.clear()
@@ -140,7 +155,9 @@ def test_nested_plan_keeps_its_savings_under_torch_compile() -> None:
     act = batch * width * 4
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
     x = torch.randn(batch, width)
-    plan = Plan((Segment(1, n, True, (Segment(1, 6, True), Segment(7, n, True))),))
+    plan = Plan.from_chain_segments(
+        (ChainSegment(1, n, True, (ChainSegment(1, 6, True), ChainSegment(7, n, True))),)
+    )
     base = step_peak_bytes(lambda: None, model, None, x, warmup=0)
     peaks = {}
     for mode in ("eager", "compiled"):

@@ -24,7 +24,7 @@ from remat.auto import checkpoint_state_bytes
 from remat.capture.chain import capture
 from remat.core.chain import CHAIN_SCHEMA_VERSION
 from remat.execute.chain import apply
-from remat.graphs import Graph, GraphPlan, lower_plan, run_schedule
+from remat.graphs import Graph, lower_plan, run_schedule
 from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes, unique_storage_bytes
 
 D = 64
@@ -66,7 +66,7 @@ def test_checkpointed_forward_peak_is_predicted(checkpoints: list[int] | None) -
     # step_peak_bytes counts the parameters and the batch; the chain's input_bytes is the batch
     measured = step_peak_bytes(forward, model, None, x) - params
     # each checkpointed segment keeps the CPU RNG state from its forward to its backward
-    segments = sum(seg.checkpoint for seg in plan.for_chain(chain).segments)
+    segments = sum(seg.checkpoint for seg in plan.chain_segments(chain))
     predicted = remat.simulate(chain, plan).forward_peak_bytes
     predicted += segments * checkpoint_state_bytes()
     # the wrapped scalars of Python numbers (the mean's 12 B) are below SCRATCH_MIN_BYTES, left
@@ -89,7 +89,7 @@ def test_captured_chain_keeps_the_forward_without_grad_in_its_json() -> None:
     graph = Graph.from_chain(chain)
     assert graph.to_chain() == dataclasses.replace(chain, stages_fingerprint="")
     plan = remat.Plan.every_stage(chain)
-    assert run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain))).timeline
+    assert run_schedule(graph, lower_plan(graph, plan)).timeline
     # a chain without it (made by hand, or written before) is written and read as version 1,
     # its forwards without grad taking fwd_overhead_bytes as before
     old = remat.Chain.homogeneous(3, out_bytes=8)

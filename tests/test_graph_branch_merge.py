@@ -18,7 +18,7 @@ from graph_steps import measured_and_predicted
 from torch import nn
 
 from remat.capture.graph import trace_graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.measure.events import SCRATCH_MIN_BYTES
 
 N, D, H = 128, 16, 512
@@ -62,10 +62,10 @@ def test_the_step_peak_is_exact_with_the_branch_recomputed(setup, segment):
     graph = trace.graph
     buffers = {k: b.clone() for k, b in model.state_dict().items()}
     if segment is None:
-        plan = GraphPlan.none()
+        plan = Plan.none()
     else:
         lo, hi = (graph.index(n) for n in segment)
-        plan = GraphPlan.from_segments([range(lo, hi + 1)])
+        plan = Plan.from_segments([range(lo, hi + 1)])
     measured, predicted, _ = measured_and_predicted(model, x, loss_fn, trace, plan)
     model.load_state_dict(buffers)
     assert abs(measured - predicted) <= SCRATCH_MIN_BYTES, (segment, measured, predicted)

@@ -22,7 +22,7 @@ from torch import nn
 
 from remat.capture.graph import trace_graph
 from remat.core.graph import Constant, Graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph, simulate_step_peak
 from remat.measure.events import SCRATCH_MIN_BYTES
 from remat.planners import BudgetTooSmallError
@@ -79,7 +79,7 @@ def test_the_frozen_output_is_a_constant_read_by_the_add(setup):
     assert again == graph and again.fingerprint == graph.fingerprint
 
 
-def _least_milp_plan(graph: Graph) -> GraphPlan:
+def _least_milp_plan(graph: Graph) -> Plan:
     try:
         return plan_graph(graph, "checkmate-milp", 1)
     except BudgetTooSmallError as err:
@@ -92,10 +92,10 @@ def test_the_step_peak_counts_the_frozen_output(setup, plan_name):
     graph = trace.graph
     add = graph.index("<model>/add")
     plans = {
-        "none": GraphPlan.none,
+        "none": Plan.none,
         # the add recomputed: its checkpoint keeps h (no gradient) until the add's backward
-        "add": lambda: GraphPlan.from_segments([[add]]),
-        "add-and-tail": lambda: GraphPlan.from_segments([range(add, graph.index("tail.3") + 1)]),
+        "add": lambda: Plan.from_segments([[add]]),
+        "add-and-tail": lambda: Plan.from_segments([range(add, graph.index("tail.3") + 1)]),
         "milp-least": lambda: _least_milp_plan(graph),
     }
     plan = plans[plan_name]()
@@ -110,7 +110,7 @@ def test_without_the_constant_the_checkpointed_plan_is_under_predicted(setup):
     # too little for the plan whose checkpoint keeps h through the backward
     model, x, trace = setup
     graph = trace.graph
-    plan = GraphPlan.from_segments([[graph.index("<model>/add")]])
+    plan = Plan.from_segments([[graph.index("<model>/add")]])
     bare = Graph(graph.nodes, graph.input_bytes, graph.time_unit)
     kept = simulate_graph(graph, plan).peak_bytes - simulate_graph(bare, plan).peak_bytes
     assert kept == H_BYTES
@@ -124,8 +124,8 @@ def test_constants_in_the_simulator():
     # 1's, read by node 1: dead before the backward unless node 1 is recomputed
     g = Graph.from_edges([(), (0,), (1,)], out_bytes=[100, 100, 100])
     c = replace_constants(g, (Constant(30, 0, 1, (1,)),))
-    none = simulate_graph(c, GraphPlan.none())
-    bare = simulate_graph(g, GraphPlan.none())
+    none = simulate_graph(c, Plan.none())
+    bare = simulate_graph(g, Plan.none())
     extra = [
         (e.peak_bytes - f.peak_bytes, e.live_bytes - f.live_bytes)
         for e, f in zip(none.timeline, bare.timeline, strict=True)
@@ -133,7 +133,7 @@ def test_constants_in_the_simulator():
     # F0 F1 (freed after node 1's forward) F2 loss B2 B1 B0
     assert extra == [(30, 30), (30, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, 0)]
     assert none.peak_bytes == bare.peak_bytes
-    seg = GraphPlan.from_segments([[1]])
+    seg = Plan.from_segments([[1]])
     kept = simulate_graph(c, seg)
     extra = [
         (e.peak_bytes - f.peak_bytes, e.live_bytes - f.live_bytes)
@@ -185,7 +185,7 @@ def test_a_saved_constant_lives_until_the_backward_that_saves_it():
     (gather,) = order.saved_by
     assert graph.nodes[gather].name.endswith("gather")
     assert graph.input_bytes == trace.batch_bytes
-    measured, predicted, fixed = measured_and_predicted(model, x, loss_fn, trace, GraphPlan.none())
+    measured, predicted, fixed = measured_and_predicted(model, x, loss_fn, trace, Plan.none())
     # the step peaks in the last backward, where the indices are gone: measured and predicted
     # as for the same model without the gather (whose prediction is 65528 B above its
     # measured peak: the graph path's conservative reading of this MLP's first backward)
@@ -193,14 +193,14 @@ def test_a_saved_constant_lives_until_the_backward_that_saves_it():
     plain.load_state_dict(model.state_dict())
     plain_trace = trace_graph(plain, x, loss_fn, level="module")
     assert (measured, predicted) == measured_and_predicted(
-        plain, x, loss_fn, plain_trace, GraphPlan.none()
+        plain, x, loss_fn, plain_trace, Plan.none()
     )[:2]
     assert measured <= predicted
     # counted all step, the indices are over-counted at the peak, in the last backward
     all_step = graph.saved_constants_as_input()
     assert all_step.input_bytes == trace.batch_bytes + ORDER_BYTES
-    over = simulate_step_peak(all_step, GraphPlan.none(), fixed, trace.param_grad_bytes)
-    now = simulate_step_peak(graph, GraphPlan.none(), fixed, trace.param_grad_bytes)
+    over = simulate_step_peak(all_step, Plan.none(), fixed, trace.param_grad_bytes)
+    now = simulate_step_peak(graph, Plan.none(), fixed, trace.param_grad_bytes)
     assert over - now == ORDER_BYTES
     again = Graph.from_json(graph.to_json())
     assert again == graph and again.fingerprint == graph.fingerprint

@@ -29,7 +29,7 @@ from torch import nn
 from remat.bench import conformance
 from remat.capture.graph import trace_graph
 from remat.core.graph import Graph, Node
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph, simulate_step_peak
 from remat.measure.events import SCRATCH_MIN_BYTES
 from remat.planners import BudgetTooSmallError
@@ -95,10 +95,10 @@ def test_the_step_peak_counts_the_held_output(setup, plan_name):
     graph = trace.graph
     tanh, mid = graph.index("<model>/tanh"), graph.index("mid")
     plans = {
-        "none": GraphPlan.none,
+        "none": Plan.none,
         # both checkpointed: nothing saves the tanh's output, only ``h`` holds it
-        "tanh-and-mid": lambda: GraphPlan.from_segments([[tanh, mid]]),
-        "tanh": lambda: GraphPlan.from_segments([[tanh]]),
+        "tanh-and-mid": lambda: Plan.from_segments([[tanh, mid]]),
+        "tanh": lambda: Plan.from_segments([[tanh]]),
         "milp-least": lambda: _least_milp_plan(graph),
     }
     plan = plans[plan_name]()
@@ -108,7 +108,7 @@ def test_the_step_peak_counts_the_held_output(setup, plan_name):
     assert abs(measured - predicted) <= SCRATCH_MIN_BYTES, (plan_name, measured, predicted)
 
 
-def _least_milp_plan(graph: Graph) -> GraphPlan:
+def _least_milp_plan(graph: Graph) -> Plan:
     try:
         return plan_graph(graph, "checkmate-milp", 1)
     except BudgetTooSmallError as err:
@@ -120,13 +120,13 @@ def test_without_held_until_the_checkpointed_plan_is_under_predicted(setup):
     # the forward peak of the plan that checkpoints it and its reader
     model, x, trace = setup
     graph = trace.graph
-    plan = GraphPlan.from_segments([[graph.index("<model>/tanh"), graph.index("mid")]])
+    plan = Plan.from_segments([[graph.index("<model>/tanh"), graph.index("mid")]])
     held, bare = simulate_graph(graph, plan), simulate_graph(_bare(graph), plan)
     assert held.forward_peak_bytes - bare.forward_peak_bytes == T_BYTES
     measured, predicted, fixed = measured_and_predicted(model, x, loss_fn, trace, plan)
     bare_predicted = simulate_step_peak(_bare(graph), plan, fixed, trace.param_grad_bytes)
     assert measured - bare_predicted > T_BYTES // 4, (measured, bare_predicted)
-    unplanned, _, _ = measured_and_predicted(model, x, loss_fn, trace, GraphPlan.none())
+    unplanned, _, _ = measured_and_predicted(model, x, loss_fn, trace, Plan.none())
     # the checkpoint frees next to nothing at the peak (1,036 B here: the tanh's output is held)
     assert unplanned - measured < T_BYTES // 100, (unplanned, measured)
 
@@ -142,7 +142,7 @@ def test_held_until_in_the_simulator():
     ]
     g = Graph(tuple(nodes))
     bare = _bare(g)
-    seg = GraphPlan.from_segments([[0, 1]])
+    seg = Plan.from_segments([[0, 1]])
     held, free = simulate_graph(g, seg).timeline, simulate_graph(bare, seg).timeline
     extra = [
         (e.peak_bytes - f.peak_bytes, e.live_bytes - f.live_bytes)
@@ -153,7 +153,7 @@ def test_held_until_in_the_simulator():
     assert extra[:4] == [(0, 0), (0, 100), (100, 0), (0, 0)]
     assert all(d == (0, 0) for d in extra[4:])
     # stored, node 0's output is kept for its backward anyway: nothing changes
-    none = GraphPlan.none()
+    none = Plan.none()
     assert simulate_graph(g, none).timeline == simulate_graph(bare, none).timeline
     assert Graph.from_json(g.to_json()) == g and g.fingerprint != bare.fingerprint
     assert not g.is_chain() and bare.is_chain()
@@ -166,7 +166,7 @@ def test_held_until_in_the_simulator():
         Node("n", (), 1.0, 1.0, 1, 1, held_until=True)
     # checkmate-milp counts it as the simulator does
     low = min(
-        simulate_graph(g, GraphPlan.from_segments(s)).peak_bytes
+        simulate_graph(g, Plan.from_segments(s)).peak_bytes
         for s in ([], [[0]], [[1]], [[2]], [[0, 1]], [[1, 2]], [[0, 1, 2]], [[0], [1, 2]])
     )
     milp = plan_graph(g, "checkmate-milp", low)
@@ -186,7 +186,7 @@ def test_a_merged_output_the_program_holds_is_counted():
     graph = trace.graph
     norm = graph.index("bert.encoder.layer.0.attention.output.LayerNorm")
     first = graph.index("bert.encoder.layer.0.attention.self.key")
-    plan = GraphPlan.from_segments([range(first, norm + 1)])
+    plan = Plan.from_segments([range(first, norm + 1)])
     measured, predicted, _ = measured_and_predicted(
         loop.module, loop.batch, loop.loss_fn, trace, plan, loop.data
     )

@@ -24,7 +24,7 @@ from graph_steps import measured_and_predicted
 
 from remat.bench import conformance
 from remat.capture.graph import trace_graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 
 
 def _frozen_bert() -> conformance.Loop:
@@ -41,7 +41,7 @@ def test_every_one_node_plan_of_a_frozen_bert_is_predicted_to_the_byte() -> None
     loop = _frozen_bert()
     trace = trace_graph(loop.module, loop.batch, loop.loss_fn)
     graph = trace.graph
-    for plan in [GraphPlan.none(), *(GraphPlan.from_segments([[v]]) for v in range(graph.n))]:
+    for plan in [Plan.none(), *(Plan.from_segments([[v]]) for v in range(graph.n))]:
         measured, predicted, _ = measured_and_predicted(
             loop.module, loop.batch, loop.loss_fn, trace, plan, loop.data
         )

@@ -21,7 +21,7 @@ from torch import nn
 
 from remat.auto import scalar_costs
 from remat.capture.graph import trace_graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import graph_step_peak
 from remat.core.step import StepCosts
 
@@ -43,14 +43,12 @@ def test_the_mlp_step_is_predicted_to_the_byte_and_never_below() -> None:
     # is made after the ReLU's saved output and its incoming gradient are freed
     assert trace.param_grad_bytes[first] == (D * H + H) * 4
     assert trace.grad_rise_bytes[first] == H * 4
-    measured, predicted, fixed = measured_and_predicted(
-        model, batch, loss_fn, trace, GraphPlan.none()
-    )
+    measured, predicted, fixed = measured_and_predicted(model, batch, loss_fn, trace, Plan.none())
     # under-predicting would let a budget be exceeded silently: never below
     assert measured <= predicted <= measured + 256, (measured, predicted)
     # every gradient from its backward's start: the weight gradient over the ReLU's peak
     all_at_start = StepCosts(fixed, trace.param_grad_bytes, **scalar_costs(trace))
-    blind = graph_step_peak(trace.graph, GraphPlan.none(), all_at_start)
+    blind = graph_step_peak(trace.graph, Plan.none(), all_at_start)
     assert blind - measured >= D * H * 4, (blind, measured)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from remat.capture.graph import trace_levels
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_step_peak
 from remat.execute.graph import apply_graph
 from remat.measure.events import step_peak_bytes, unique_storage_bytes
@@ -110,7 +110,7 @@ def check_executor(model: nn.Module, batch, loss_fn, traces, peak_levels=("modul
         if level not in peak_levels:
             continue
         fixed = unique_storage_bytes([*model.parameters(), *model.buffers()])
-        for plan_used in (GraphPlan.none(), plan):
+        for plan_used in (Plan.none(), plan):
             model.load_state_dict(buffers)
             run = apply_graph(model, plan_used, graph, batch, loss_fn)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from remat.bench import conformance
 from remat.capture.graph import trace_graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 
 W, N = 128, 256
 
@@ -43,7 +43,7 @@ def test_a_sum_passes_its_gradient_on_without_a_copy() -> None:
     # the sum (the last block's GELU merged into it) allocates one input gradient, not two
     assert graph.nodes[add].bwd_overhead_bytes == -N * W * 4
     last = graph.index("blocks.4.1")
-    for plan in (GraphPlan.none(), GraphPlan.from_segments([range(1, last + 1)])):
+    for plan in (Plan.none(), Plan.from_segments([range(1, last + 1)])):
         measured, predicted, _ = measured_and_predicted(model, x, _loss, trace, plan)
         assert measured <= predicted <= measured + 64, (plan, measured, predicted)
 

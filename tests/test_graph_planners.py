@@ -13,11 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from remat import Chain, Plan, Segment, simulate
+from remat import Chain, ChainSegment, Plan, simulate
 from remat.core.synthetic import dense_block, inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
-    GraphPlan,
     Node,
     available_graph_planners,
     plan_graph,
@@ -79,7 +78,7 @@ def feng_brute_force(graph: Graph) -> tuple[int, int]:
     for kept in subsets(graph):
         if independent_segments(feng, {v + 1 for v in kept}):
             best_cost = min(best_cost, feng_cost(graph, kept))
-            peak = simulate_graph(graph, GraphPlan.from_checkpoints(graph, kept)).peak_bytes
+            peak = simulate_graph(graph, Plan.from_kept(graph, kept)).peak_bytes
             best_peak = min(best_peak, peak)
     return int(best_cost), int(best_peak)
 
@@ -165,7 +164,7 @@ def run_plans(n: int) -> list[list[list[int]]]:
 def brute_force_runs(graph: Graph) -> list[tuple[int, float]]:
     rows = []
     for segs in run_plans(graph.n):
-        sim = simulate_graph(graph, GraphPlan.from_segments(segs))
+        sim = simulate_graph(graph, Plan.from_segments(segs))
         rows.append((sim.peak_bytes, sim.total_time))
     return rows
 
@@ -199,9 +198,7 @@ def test_held_outputs_change_some_plans_of_the_held_graphs() -> None:
             tuple(replace(node, held_until=None) for node in graph.nodes), graph.input_bytes
         )
         pairs = [
-            tuple(
-                simulate_graph(g, GraphPlan.from_segments(segs)).peak_bytes for g in (graph, bare)
-            )
+            tuple(simulate_graph(g, Plan.from_segments(segs)).peak_bytes for g in (graph, bare))
             for segs in run_plans(graph.n)
         ]
         assert all(held >= free for held, free in pairs), name
@@ -245,7 +242,7 @@ def test_backward_floor_bounds_every_plan(name: str, graph: Graph) -> None:
     if graph.n <= 7:
         for k in range(1, graph.n + 1):
             for subset in itertools.combinations(range(graph.n), k):
-                plan = GraphPlan.from_segments([list(subset)])
+                plan = Plan.from_segments([list(subset)])
                 peaks.append(simulate_graph(graph, plan).peak_bytes)
     assert floor <= min(peaks), (floor, min(peaks), node)
     assert node is None or 0 <= node < graph.n
@@ -276,7 +273,7 @@ def test_checkmate_milp_on_chains_agrees_with_optimal_time(
         return
     assert milp.predicted_time is not None and rotor.predicted_time is not None
     # the MILP's flat plan is a chain plan with the same costs
-    back = simulate(chain, milp.to_chain_plan(n))
+    back = simulate(chain, milp)
     assert (back.peak_bytes, back.total_time) == (milp.predicted_peak_bytes, milp.predicted_time)
     # optimal-time searches nested plans too: it can only be faster, and ties on flat plans
     assert rotor.predicted_time <= milp.predicted_time + 1e-9
@@ -286,7 +283,7 @@ def test_checkmate_milp_on_chains_agrees_with_optimal_time(
 
 def test_checkmate_lp_rounding() -> None:
     g = residual_chain(3)
-    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    top = simulate_graph(g, Plan.none()).peak_bytes
     for fraction in (0.8, 0.6):
         budget = int(top * fraction)
         exact = plan_graph(g, "checkmate-milp", budget)
@@ -371,23 +368,23 @@ def random_block_graph(seed: int) -> Graph:
 
 
 def random_chain_plan(n: int, rng: random.Random) -> Plan:
-    def cover(lo: int, hi: int, depth: int) -> list[Segment]:
+    def cover(lo: int, hi: int, depth: int) -> list[ChainSegment]:
         out, i = [], lo
         while i <= hi:
             j = rng.randint(i, hi)
-            children: tuple[Segment, ...] = ()
+            children: tuple[ChainSegment, ...] = ()
             if rng.random() < 0.5:
                 if depth < 2 and j > i and rng.random() < 0.5:
                     children = tuple(cover(i, j, depth + 1))
                     if len(children) == 1 and children[0].checkpoint:
                         children = ()
-                out.append(Segment(i, j, True, children))
+                out.append(ChainSegment(i, j, True, children))
             else:
-                out.append(Segment(i, j))
+                out.append(ChainSegment(i, j))
             i = j + 1
         return out
 
-    return Plan(tuple(cover(1, n, 0)))
+    return Plan.from_chain_segments(tuple(cover(1, n, 0)))
 
 
 def test_cut_points_definition() -> None:
@@ -439,7 +436,7 @@ def test_the_block_chain_of_a_chains_path_graph_is_the_chain() -> None:
 
 def test_articulation_planner() -> None:
     g = residual_chain(4)
-    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    top = simulate_graph(g, Plan.none()).peak_bytes
     for method in ("hong-dp", "every-stage", None):
         if method is not None and method not in available():
             continue
@@ -471,11 +468,11 @@ def test_articulation_errors() -> None:
 )
 def test_every_planner_returns_a_valid_plan(method: str) -> None:
     g = residual_chain(3)
-    top = simulate_graph(g, GraphPlan.none()).peak_bytes
+    top = simulate_graph(g, Plan.none()).peak_bytes
     budget = int(0.75 * top) if method != "none" else None
     plan = plan_graph(g, method, budget)
     sim = simulate_graph(g, plan)  # the schedule checker raises on an invalid plan
     assert sim.peak_bytes == plan.predicted_peak_bytes
     assert budget is None or sim.peak_bytes <= budget
-    assert GraphPlan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(plan.to_json()) == plan
     assert method in available_graph_planners()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from remat.bench import reforward as rf
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
 from remat.core.synthetic import dense_block, residual_chain
 
@@ -24,7 +24,7 @@ def test_table_rows_are_the_simulated_plans_and_the_target_is_the_definition() -
     graph = residual_chain(2)
     rows = rows_for("resnet50", graph, rf.PAPER["resnet50"][3] / rf.PAPER["resnet50"][2])
     assert [r["method"] for r in rows] == list(rf.METHODS)
-    regular = simulate_graph(graph, GraphPlan.none())
+    regular = simulate_graph(graph, Plan.none())
     by = {r["method"]: r for r in rows}
     for r in rows:
         assert all(k in r for k in REQUIRED), r

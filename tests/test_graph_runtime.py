@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from remat import zoo
 from remat.capture.graph import trace_graph
-from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.plan import Plan, Segment
 from remat.core.simulate import simulate_graph, simulate_step_peak
 from remat.execute import graph as runtime
 from remat.execute.chain import SignatureMismatchError
@@ -28,23 +28,23 @@ MODELS = {
 }
 
 
-def plans_for(graph) -> dict[str, GraphPlan]:
+def plans_for(graph) -> dict[str, Plan]:
     n = graph.n
     third = n // 3
     return {
-        "none": GraphPlan.none(),
-        "every-node": GraphPlan.from_segments([[v] for v in range(n)]),
+        "none": Plan.none(),
+        "every-node": Plan.from_segments([[v] for v in range(n)]),
         "reforward": plan_graph(graph, "reforward"),
-        "nested": GraphPlan(
+        "nested": Plan(
             (
-                GraphSegment(
+                Segment(
                     tuple(range(1, 2 * third)),
                     (
-                        GraphSegment(tuple(range(2, third))),
-                        GraphSegment(tuple(range(third + 1, 2 * third - 1))),
+                        Segment(tuple(range(2, third))),
+                        Segment(tuple(range(third + 1, 2 * third - 1))),
                     ),
                 ),
-                GraphSegment(tuple(range(2 * third, n - 2))),
+                Segment(tuple(range(2 * third, n - 2))),
             )
         ),
     }
@@ -150,7 +150,7 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name, onednn, mon
     fake = trace_graph(entry.model, entry.batch, entry.loss_fn, level="op", fake=True)
     for plan_name in ("none", "reforward"):
         plan = plan_graph(trace.graph, "reforward") if plan_name == "reforward" else None
-        plan = plan or GraphPlan.none()
+        plan = plan or Plan.none()
         measured, predicted, fixed = measured_and_predicted(
             entry.model, entry.batch, entry.loss_fn, trace, plan
         )
@@ -166,7 +166,7 @@ def test_whole_step_peak_counted_by_the_allocator_is_predicted(name, onednn, mon
             assert abs(measured - predicted) <= 1024, (plan_name, measured, predicted)
         from_fake = simulate_step_peak(
             fake.graph,
-            GraphPlan(plan.segments),
+            Plan(plan.segments),
             fixed - trace.batch_bytes,
             fake.param_grad_bytes,
             grad_rise_bytes=fake.grad_rise_bytes,
@@ -185,7 +185,7 @@ def test_segments_may_interleave_with_stored_nodes():
     down = graph.index("layer2.0.downsample.0/conv2d")
     first = graph.index("layer2.0.conv1/conv2d")
     segment = [v for v in range(first, add + 1) if v != down]
-    plan = GraphPlan.from_segments([segment])
+    plan = Plan.from_segments([segment])
     ref = copy.deepcopy(entry.model)
     step(ref, entry)
     planned = apply_graph(entry.model, plan, graph, entry.batch, entry.loss_fn)
@@ -197,12 +197,11 @@ def test_loss_nodes_are_stored_and_the_executed_plan_says_so():
     entry = zoo.get("resnet18", **MODELS["resnet18"])
     graph = trace_graph(entry.model, entry.batch, entry.loss_fn, level="module", fake=True).graph
     last = graph.n - 1  # the cross-entropy, computed by loss_fn outside the model
-    plan = GraphPlan.from_segments([[last - 2, last - 1, last]])
+    plan = Plan.from_segments([[last - 2, last - 1, last]])
     planned = apply_graph(entry.model, plan, graph, entry.batch, entry.loss_fn)
-    assert planned.executed_plan.segments == (GraphSegment((last - 2, last - 1)),)
+    assert planned.executed_plan.segments == (Segment((last - 2, last - 1)),)
     assert (
-        apply_graph(entry.model, GraphPlan.none(), graph, entry.batch, entry.loss_fn).level
-        == "module"
+        apply_graph(entry.model, Plan.none(), graph, entry.batch, entry.loss_fn).level == "module"
     )
 
 
@@ -249,7 +248,7 @@ def test_lazy_trace_on_the_first_training_call():
     x = torch.randn(8, 16)
     graph = trace_graph(model, x, level="op", fake=True).graph
     ref = copy.deepcopy(model)
-    planned = apply_graph(model, GraphPlan.from_segments([[0, 1]]), graph)
+    planned = apply_graph(model, Plan.from_segments([[0, 1]]), graph)
     torch.manual_seed(3)
     planned(x).sum().backward()
     torch.manual_seed(3)
@@ -264,7 +263,7 @@ def test_mismatched_graph_and_diverging_model_raise():
     graph = trace_graph(model, x, level="op", fake=True).graph
     other = trace_graph(model, torch.randn(4, 16), level="op", fake=True).graph
     with pytest.raises(GraphExecutionError, match="does not match"):
-        apply_graph(model, GraphPlan.none(), other, x)
+        apply_graph(model, Plan.none(), other, x)
 
     class Flaky(nn.Module):
         def __init__(self) -> None:
@@ -279,7 +278,7 @@ def test_mismatched_graph_and_diverging_model_raise():
 
     flaky = Flaky()
     graph = trace_graph(flaky, x, level="op", fake=True).graph
-    planned = apply_graph(flaky, GraphPlan.from_segments([[0, 1]]), graph, x)
+    planned = apply_graph(flaky, Plan.from_segments([[0, 1]]), graph, x)
     with pytest.raises(GraphExecutionError, match="differently"):
         planned(x)
 

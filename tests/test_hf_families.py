@@ -114,7 +114,7 @@ def test_mistral_auto_takes_the_chain_path() -> None:
         planned, summary = remat.auto(model, batch, budget=free.unplanned_peak_bytes - 1)
     assert isinstance(summary.chain, remat.Chain) and isinstance(summary.plan, Plan)
     assert type(planned).__name__ != "GraphPlannedModule"
-    assert any(s.checkpoint for s in summary.plan.for_chain(summary.chain).segments)
+    assert any(s.checkpoint for s in summary.plan.chain_segments(summary.chain))
     torch.manual_seed(1)
     planned(**batch).loss.backward()
     for name, grad in _grads(model).items():

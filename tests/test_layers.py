@@ -24,7 +24,6 @@ PURE_MODULES = (
     "remat.core.step",
     "remat.graphs",
     "remat.core.graph",
-    "remat.core.graph_plan",
     "remat.core.simulate",
     "remat.planners.graph",
     "remat.planners.checkmate_milp",

@@ -342,7 +342,7 @@ def test_one_whole_step_model_adds_the_held_output_everywhere() -> None:
     import remat
     from remat.auto import total_peak_bytes
     from remat.core.step import StepCosts, StepEvent, step_peak
-    from remat.graphs import Graph, GraphPlan, simulate_step_peak
+    from remat.graphs import Graph, Plan, simulate_step_peak
 
     chain = remat.Chain(
         fwd_time=[1.0] * 4,
@@ -358,8 +358,8 @@ def test_one_whole_step_model_adds_the_held_output_everywhere() -> None:
         )
         assert held == base + 7
     graph = Graph.from_edges([(), (0,), (1,), (2,)], out_bytes=[10] * 4, input_bytes=10)
-    base = simulate_step_peak(graph, GraphPlan.none(), 100, [1, 2, 3, 4])
-    assert simulate_step_peak(graph, GraphPlan.none(), 100, [1, 2, 3, 4], None, 9) == base + 9
+    base = simulate_step_peak(graph, Plan.none(), 100, [1, 2, 3, 4])
+    assert simulate_step_peak(graph, Plan.none(), 100, [1, 2, 3, 4], None, 9) == base + 9
     timeline = [StepEvent(False, 0, 40, 30), StepEvent(True, 0, 50, 0)]
     costs = StepCosts(persistent_bytes=100, grad_bytes=(10,), optimizer_step_bytes=200)
     assert step_peak(timeline, costs) == 100 + 10 + 200  # the optimizer step binds

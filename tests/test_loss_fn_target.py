@@ -17,7 +17,7 @@ from torch import nn
 
 from remat.auto import predicted_step_peak_bytes
 from remat.capture.chain import capture
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.execute.chain import apply
 from remat.measure.events import step_peak_bytes
 
@@ -45,7 +45,10 @@ def test_a_target_in_the_loss_fns_closure_is_counted_all_step_on_the_chain_path(
 
     captured = capture(model, x, loss_fn=loss_fn)
     assert captured.chain.input_bytes == x.nbytes + y.nbytes
-    for plan in (Plan.none(), Plan((Segment(1, 2, True), Segment(3, 4, False)))):
+    for plan in (
+        Plan.none(),
+        Plan.from_chain_segments((ChainSegment(1, 2, True), ChainSegment(3, 4, False))),
+    ):
         planned = apply(model, plan, stages=captured.stages)
 
         def step(planned: nn.Module = planned) -> None:

@@ -11,7 +11,7 @@ from nested_plans import brute_force, min_time_within
 
 import remat
 from remat import Chain, simulate
-from remat.graphs import Graph, GraphPlan, Node
+from remat.graphs import Graph, Node
 from remat.planners.optimal_time import min_feasible_peak
 
 SEEDS = range(30)
@@ -71,8 +71,7 @@ def test_a_measured_chain_is_a_path_graph() -> None:
     assert graph.is_path() and Graph.from_json(graph.to_json()) == graph
     assert [node.bwd_overhead_bytes for node in graph.nodes] == list(chain.bwd_overhead_bytes)
     for plan in (remat.Plan.none(chain), remat.plan(chain, "hong-dp")):
-        gplan = GraphPlan.from_chain_plan(plan, chain.n)
-        assert simulate(graph, gplan) == simulate(chain, plan)
+        assert simulate(graph, plan) == simulate(chain, plan)
 
 
 @pytest.mark.parametrize("factor", [0.2, 0.5, 0.75, 1.3])

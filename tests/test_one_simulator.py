@@ -29,7 +29,6 @@ from remat.core.errors import InfeasibleScheduleError, RematError, UnsupportedMo
 from remat.core.synthetic import inception_block, random_dag, residual_chain
 from remat.graphs import (
     Graph,
-    GraphPlan,
     available_graph_planners,
     least_graph_peak,
     lower_plan,
@@ -53,19 +52,21 @@ CAPTURED = [("mlp-chain", False), ("resnet18", False), ("wrn-28-2", True), ("res
 def interpret(chain: Chain, plan: Plan):  # noqa: ANN201 (a GraphSimulation)
     """``plan`` run by the interpreter on the path graph of ``chain``."""
     graph = Graph.from_chain(chain)  # the chain's fingerprint: lower_plan checks the plan's
-    return run_schedule(graph, lower_plan(graph, GraphPlan.from_chain_plan(plan, chain)))
+    return run_schedule(graph, lower_plan(graph, plan))
 
 
 def assert_same_simulation(chain: Chain, plan: Plan) -> None:
     """The chain simulator and the interpreter agree on everything they report: peaks, times
     (the same floats), forward counts and every event (one type: stage ``i`` is node
-    ``i - 1``, the loss node -1), live bytes included. And the plan is one plan: its graph
-    plan on the path graph converts back to it, every field included."""
+    ``i - 1``, the loss node -1), live bytes included. And the plan is one plan: fitted to the
+    path graph it is the plan fitted to the chain, its JSON reads back equal, and its stage tree
+    builds its segments back."""
     a, b = simulate(chain, plan), interpret(chain, plan)
     assert a == b, plan.describe()
-    graph_plan = GraphPlan.from_chain_plan(plan, chain)
-    assert GraphPlan.from_json(graph_plan.to_json()) == graph_plan
-    assert graph_plan.to_chain_plan(Graph.from_chain(chain)) == plan.for_chain(chain)
+    fitted = plan.for_chain(chain)
+    assert plan.for_graph(Graph.from_chain(chain)) == fitted
+    assert Plan.from_json(fitted.to_json()) == fitted
+    assert Plan.from_chain_segments(fitted.chain_segments()).segments == fitted.segments
 
 
 def chain_plans(chain: Chain, method: str) -> list[Plan]:
@@ -208,15 +209,17 @@ def test_a_segment_input_is_freed_by_its_first_stages_backward() -> None:
     """(1-2) (3-4) on 4 stages of 10 bytes: segment (3-4) is the only holder of a[2]; it is
     released in the backward of stage 3, so that event's live bytes are a[0] + δ2 = 20 (the
     chain simulator said 30 before, showing it one event late, unlike the interpreter)."""
-    from remat import Segment
+    from remat import ChainSegment
 
     chain = Chain.homogeneous(4, out_bytes=10)
-    plan = Plan((Segment(1, 2, True), Segment(3, 4, True)))
+    plan = Plan.from_chain_segments((ChainSegment(1, 2, True), ChainSegment(3, 4, True)))
     events = [(e.op, e.stage, e.live_bytes) for e in simulate(chain, plan).timeline]
     assert events[8] == ("B", 3, 20)
     assert_same_simulation(chain, plan)
     # a recomputation's output is dropped within its last forward: (1-4: (1-2) (3-4))
-    nested = Plan((Segment(1, 4, True, (Segment(1, 2, True), Segment(3, 4, True))),))
+    nested = Plan.from_chain_segments(
+        (ChainSegment(1, 4, True, (ChainSegment(1, 2, True), ChainSegment(3, 4, True))),)
+    )
     timeline = simulate(chain, nested).timeline
     assert (timeline[8].op, timeline[8].stage, timeline[8].live_bytes) == ("F_none", 4, 30)
     assert_same_simulation(chain, nested)
@@ -232,4 +235,4 @@ def test_one_error_hierarchy() -> None:
     assert graphs_simulate.InfeasibleScheduleError is InfeasibleScheduleError
     g = residual_chain(1)
     with pytest.raises(RematError, match="before it is computed"):
-        run_schedule(g, [op for op in lower_plan(g, GraphPlan.none()) if op.node != 0])
+        run_schedule(g, [op for op in lower_plan(g, Plan.none()) if op.node != 0])

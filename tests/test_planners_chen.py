@@ -28,21 +28,21 @@ chains = st.builds(
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 17, 99, 100, 1000])
 def test_sqrt_segments_are_nearly_equal(n: int) -> None:
     plan = remat.plan(Chain.homogeneous(n), "chen-sqrt")
-    lengths = [s.length for s in plan.segments]
+    lengths = [s.length for s in plan.chain_segments()]
     assert len(lengths) == max(1, round(math.sqrt(n)))
     assert max(lengths) - min(lengths) <= 1
-    assert all(s.checkpoint for s in plan.segments[:-1])
-    assert not plan.segments[-1].checkpoint  # Note [store the last segment]
+    assert all(s.checkpoint for s in plan.chain_segments()[:-1])
+    assert not plan.chain_segments()[-1].checkpoint  # Note [store the last segment]
 
 
 @given(chains)
 def test_sqrt_stored_last_segment_is_never_worse(chain: Chain) -> None:
     plan = remat.plan(chain, "chen-sqrt")
-    kept = [s.start - 1 for s in plan.segments[1:]]
+    kept = [s.start - 1 for s in plan.chain_segments()[1:]]
     recomputed = simulate(chain, Plan.from_checkpoints(chain, kept, store_last=False))
     assert plan.predicted_peak_bytes <= recomputed.peak_bytes
     assert plan.predicted_time == pytest.approx(
-        recomputed.total_time - sum(chain.fwd_time[plan.segments[-1].start - 1 :])
+        recomputed.total_time - sum(chain.fwd_time[plan.chain_segments()[-1].start - 1 :])
     )
 
 

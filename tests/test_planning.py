@@ -25,17 +25,16 @@ from nested_plans import nested_plans
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
 from remat.core.graph import Graph
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.core.simulate import checkpoint_spans, simulate_graph
 from remat.core.step import StepCosts, StepEvent, segment_state_bytes, step_peak
 from remat.core.synthetic import random_dag, residual_chain
-from remat.graphs import GraphPlan
 from remat.planners import BudgetTooSmallError, available, least_peak, plan_chain
 from remat.planning import least_step_plan, plan_for_step, step_candidates, step_peak_of
 
 
 def _none(structure):
-    return Plan.none(structure) if isinstance(structure, Chain) else GraphPlan.none()
+    return Plan.none(structure) if isinstance(structure, Chain) else Plan.none()
 
 
 def check_contracts(structure, costs, budgets, method=None) -> None:
@@ -65,7 +64,7 @@ def check_contracts(structure, costs, budgets, method=None) -> None:
 
 def _decision(p):
     """What a plan decides (a graph plan's params hold the solver's wall time)."""
-    return (p.method, p.segments) if isinstance(p, GraphPlan) else p
+    return (p.method, p.segments) if isinstance(p, Plan) else p
 
 
 def _costs(draw, n: int, input_bytes: int, scale: int) -> StepCosts:
@@ -113,14 +112,14 @@ def graphs_with_costs(draw):
 @given(graphs_with_costs(), st.lists(st.floats(0.3, 1.2), min_size=1, max_size=3))
 def test_plan_for_step_contracts_on_random_graphs(graph_costs, fractions) -> None:
     graph, costs = graph_costs
-    unplanned = step_peak_of(graph, GraphPlan.none(), costs)
+    unplanned = step_peak_of(graph, Plan.none(), costs)
     check_contracts(graph, costs, [int(unplanned * f) for f in fractions])
 
 
 def test_budgets_between_the_minimum_and_the_unplanned_peak_on_a_residual_graph() -> None:
     graph = residual_chain(2, 100)
     costs = StepCosts(persistent_bytes=1000, grad_bytes=(30,) * graph.n, optimizer_step_bytes=50)
-    unplanned = step_peak_of(graph, GraphPlan.none(), costs)
+    unplanned = step_peak_of(graph, Plan.none(), costs)
     minimum = least_step_plan(graph, costs)[1]
     check_contracts(
         graph, costs, range(minimum - 1, unplanned + 2, max(1, (unplanned - minimum) // 6))
@@ -157,7 +156,7 @@ def test_checkpoint_state_bytes_are_counted_per_checkpointed_segment() -> None:
     chain = Chain.homogeneous(6, out_bytes=10)
     costs = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 6)
     plan = Plan.from_checkpoints(chain, [2, 4])
-    segments = sum(1 for s in plan.for_chain(chain).walk() if s.checkpoint)
+    segments = sum(1 for _ in plan.for_chain(chain).walk())
     with_state = StepCosts(persistent_bytes=0, grad_bytes=(0,) * 6, checkpoint_state_bytes=1000)
     assert segments > 0
     # every checkpoint's state, and while a segment is recomputed the RNG state torch's
@@ -175,7 +174,7 @@ CHAIN_PLANNERS = available()
 
 def _path_graph_step_peak(chain: Chain, plan: Plan, costs: StepCosts) -> int:
     """``step_peak_of`` of ``plan`` read as a graph plan on the chain's path graph."""
-    return step_peak_of(Graph.from_chain(chain), GraphPlan.from_chain_plan(plan, chain), costs)
+    return step_peak_of(Graph.from_chain(chain), plan, costs)
 
 
 @st.composite
@@ -246,7 +245,7 @@ def test_a_graph_counts_a_segments_state_only_until_its_backward() -> None:
     chain = Chain.homogeneous(4, out_bytes=10)
     plan = Plan.from_checkpoints(chain, [2])
     graph = Graph.from_chain(chain)
-    graph_plan = GraphPlan.from_chain_plan(plan, chain)
+    graph_plan = plan
     assert [s.nodes for s in graph_plan.segments] == [(0, 1), (2, 3)]
     assert checkpoint_spans(graph_plan) == ((0, 1), (2, 1))
     timeline = [
@@ -320,7 +319,7 @@ def test_plan_for_step_contracts_on_captured_models() -> None:
         grad_bytes=tuple(trace.param_grad_bytes),
         input_bytes=trace.graph.input_bytes,
     )
-    unplanned = step_peak_of(trace.graph, GraphPlan.none(), costs)
+    unplanned = step_peak_of(trace.graph, Plan.none(), costs)
     check_contracts(trace.graph, costs, [int(unplanned * f) for f in (0.6, 0.8, 1)])
 
 
@@ -392,7 +391,9 @@ def _flat_plans(n: int):
         bounds = [0, *(i + 1 for i, cut in enumerate(cuts) if cut), n]
         spans = list(itertools.pairwise(bounds))
         for flags in itertools.product([False, True], repeat=len(spans)):
-            yield Plan(tuple(Segment(a + 1, b, f) for (a, b), f in zip(spans, flags, strict=True)))
+            yield Plan.from_chain_segments(
+                tuple(ChainSegment(a + 1, b, f) for (a, b), f in zip(spans, flags, strict=True))
+            )
 
 
 def test_the_least_named_is_never_above_the_least_flat_plan_on_random_chains():
@@ -443,5 +444,5 @@ def test_the_graph_least_named_no_single_move_lowers_on_random_graphs():
         descended += 1
         here = tuple(seg.nodes for seg in plan.segments)
         for near in _graph_neighbours(graph, here):
-            assert step_peak_of(graph, GraphPlan.from_segments(near), costs) >= least, seed
+            assert step_peak_of(graph, Plan.from_segments(near), costs) >= least, seed
     assert descended >= 3  # the descent named the least on 3 of them

@@ -15,26 +15,26 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
 import remat.execute.chain as runtime
-from remat import Chain, Plan, PlanError, Segment, simulate
+from remat import Chain, ChainSegment, Plan, PlanError, simulate
 from remat.capture.stages import split_stages
 from remat.execute.chain import PlannedModule, SignatureMismatchError, apply
 
 # ---------------------------------------------------------------------- helpers
 
 
-def nested_segment(lo: int, hi: int, depth: int) -> Segment:
+def nested_segment(lo: int, hi: int, depth: int) -> ChainSegment:
     """Checkpointed segment lo..hi with a sub-plan of the given depth: (ck) [stored] (ck)."""
     n = hi - lo + 1
     if depth <= 1 or n < 3:
-        return Segment(lo, hi, True)
+        return ChainSegment(lo, hi, True)
     a = lo + n // 3 - 1
     b = lo + 2 * n // 3 - 1
     children = (
         nested_segment(lo, a, depth - 1),
-        Segment(a + 1, b),
+        ChainSegment(a + 1, b),
         nested_segment(b + 1, hi, depth - 1),
     )
-    return Segment(lo, hi, True, children)
+    return ChainSegment(lo, hi, True, children)
 
 
 def plans_for(n: int) -> dict[str, Plan]:
@@ -44,16 +44,16 @@ def plans_for(n: int) -> dict[str, Plan]:
         "every-stage": Plan.every_stage(),
         "checkpoints": Plan.from_checkpoints(n, sorted({third, min(n - 1, 2 * third)})),
         "checkpoints-store-last": Plan.from_checkpoints(n, [third], store_last=True),
-        "nested-2": Plan((nested_segment(1, n, 2),)),
-        "nested-3": Plan((nested_segment(1, n, 3),)),
+        "nested-2": Plan.from_chain_segments((nested_segment(1, n, 2),)),
+        "nested-3": Plan.from_chain_segments((nested_segment(1, n, 3),)),
     }
     if n >= 4:
         # a stored head, then a nested segment whose last child is checkpointed
         half = n // 2
-        plans["mixed"] = Plan(
+        plans["mixed"] = Plan.from_chain_segments(
             (
-                Segment(1, 1),
-                Segment(2, n, True, (Segment(2, half), Segment(half + 1, n, True))),
+                ChainSegment(1, 1),
+                ChainSegment(2, n, True, (ChainSegment(2, half), ChainSegment(half + 1, n, True))),
             )
         )
     return plans
@@ -283,7 +283,10 @@ def test_batchnorm_recomputed_with_its_update_paused_counts_each_batch_once(mome
     )
     reference = copy.deepcopy(model)
     planned = apply(
-        model, Plan.from_segments([Segment(1, 2, True, (Segment(1, 1, True), Segment(2, 2)))])
+        model,
+        Plan.from_chain_segments(
+            [ChainSegment(1, 2, True, (ChainSegment(1, 1, True), ChainSegment(2, 2)))]
+        ),
     )
     for s in range(3):
         x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(s))
@@ -329,7 +332,7 @@ def test_dropout_masks_identical_in_recomputation():
     reference = copy.deepcopy(model)
     ref_loss = step(reference, (x,), {}, seed=7)
     rng_after_ref = torch.get_rng_state()
-    planned = apply(model, Plan((nested_segment(1, 6, 3),)))
+    planned = apply(model, Plan.from_chain_segments((nested_segment(1, 6, 3),)))
     loss = step(planned, (x,), {}, seed=7)
     assert torch.equal(torch.get_rng_state(), rng_after_ref)  # the same random numbers drawn
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
@@ -498,7 +501,9 @@ def test_lazy_entry_point_and_named_stages():
 def test_early_stop_option_runs_less_than_simulated():
     """torch's early stop skips recomputation that remat.simulate counts (docs/executor.md)."""
     model, (x,), _ = make("mlp-chain")
-    plan = Plan((Segment(1, 12, True, (Segment(1, 6, True), Segment(7, 12, True))),))
+    plan = Plan.from_chain_segments(
+        (ChainSegment(1, 12, True, (ChainSegment(1, 6, True), ChainSegment(7, 12, True))),)
+    )
     reference = copy.deepcopy(model)
     step(reference, (x,), {})
     planned = apply(model, plan, early_stop=True)
@@ -527,7 +532,7 @@ def test_runs_under_torch_compile_with_batchnorm():
     x = torch.randn(2, 4, 8, 8)
     reference = copy.deepcopy(model)
     step(reference, (x,), {})
-    planned = apply(model, Plan((nested_segment(1, 4, 2),)))
+    planned = apply(model, Plan.from_chain_segments((nested_segment(1, 4, 2),)))
     compiled = torch.compile(planned, backend="aot_eager")
     step(compiled, (x,), {})
     assert_grads_equal(reference, model, rtol=1e-4, atol=1e-5)
@@ -553,7 +558,9 @@ def test_cuda_dropout_and_batchnorm():
         ref_loss = step(reference, (x,), {}, seed=5)
         # early stop off: the executor runs exactly what simulate counts (with it, torch ended
         # the recomputations early: [3, 2, 2, 2, 2, 1] on an H100, docs/results/gpu)
-        planned = apply(model, Plan((nested_segment(1, 6, 3),)), example=x, early_stop=False)
+        planned = apply(
+            model, Plan.from_chain_segments((nested_segment(1, 6, 3),)), example=x, early_stop=False
+        )
         counts, handles = count_forwards(planned)
         loss = step(planned, (x,), {}, seed=5)
     for h in handles:
@@ -593,7 +600,7 @@ def test_inner_checkpoint_inputs_are_freed_after_the_forward():
         alive = {k for k, r in first.items() if r() is not None}
         full = plan.for_chain(n)
         expected = {n}
-        for seg in full.segments:
+        for seg in full.chain_segments():
             if seg.checkpoint:
                 expected.add(seg.start - 1)
             else:  # a stored Linear keeps its input

@@ -255,12 +255,12 @@ def test_graph_path_replans_a_new_batch_size_within_the_budget() -> None:
 def test_apply_graph_without_replan_still_refuses_clearly() -> None:
     from remat.capture.graph import trace_graph
     from remat.execute.graph import apply_graph
-    from remat.graphs import GraphPlan
+    from remat.graphs import Plan
 
     model = Skip()
     x = torch.randn(8, 32)
     graph = trace_graph(model, x, level="module", fake=True).graph
-    planned = apply_graph(model, GraphPlan.none(), graph, x)
+    planned = apply_graph(model, Plan.none(), graph, x)
     assert planned.signature == input_signature(x)  # recorded from the batch
     with pytest.raises(SignatureMismatchError, match=r"\[8, 32\].*\[4, 32\].*replan="):
         planned(torch.randn(4, 32))
@@ -395,20 +395,20 @@ def test_percent_budgets_in_plan_fit_and_the_cli(capsys: pytest.CaptureFixture[s
 # ---------------------------------------------------------------------- item 4: plan files
 
 
-@pytest.mark.parametrize("version", ["1", 2, None, 1.0])
+@pytest.mark.parametrize("version", ["2", 3, None, 2.0, "1", 1.0])
 def test_plan_files_of_another_version_are_clear_errors(version: Any) -> None:
-    from remat.core.graph_plan import GraphPlanError
     from remat.core.plan import PlanError
-    from remat.graphs import GraphPlan
+    from remat.graphs import Plan
 
     plan = remat.Plan.from_checkpoints(8, [3, 6])
     data = json.loads(plan.to_json()) | {"version": version}
-    with pytest.raises(PlanError, match=rf"version {version!r}.*not supported.*version 1"):
+    with pytest.raises(PlanError, match=rf"version {version!r}.*not supported.*version 2"):
         remat.Plan.from_json(json.dumps(data))
-    graph_plan = GraphPlan.from_segments([[0, 1]])
-    data = json.loads(graph_plan.to_json()) | {"version": version}
-    with pytest.raises(GraphPlanError, match=rf"version {version!r}.*not supported"):
-        GraphPlan.from_json(json.dumps(data))
+    # the old graph plan files (schema remat.graph_plan) were only ever version 1
+    graph_plan = Plan.from_segments([[0, 1]])
+    data = json.loads(graph_plan.to_json()) | {"schema": "remat.graph_plan", "version": version}
+    with pytest.raises(PlanError, match=rf"version {version!r}.*not supported.*version 1"):
+        Plan.from_json(json.dumps(data))
     if isinstance(version, str | float):
         with pytest.raises(PlanError, match="not an integer"):
             remat.Plan.from_json(json.dumps(json.loads(plan.to_json()) | {"version": version}))

@@ -22,7 +22,7 @@ from torch import nn
 from remat.auto import auto, predicted_step_peak_bytes, scalar_costs
 from remat.capture.chain import capture, unhooked_saved
 from remat.capture.graph import trace_graph
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.core.step import StepCosts, StepEvent, step_peak
 from remat.execute.chain import apply
 from remat.measure.events import allocated_bytes, step_peak_bytes
@@ -158,8 +158,13 @@ def test_the_whole_step_is_predicted_to_the_byte_with_the_scalars() -> None:
     assert captured.forward_kept_bytes == (24, 24, 24, 24)
     chain = captured.chain
     plans = [Plan.none(chain), Plan.every_stage(chain)]
-    plans += [Plan.from_segments([Segment(i, i, i == k) for i in range(1, 5)]) for k in (1, 2, 4)]
-    plans.append(Plan.from_segments([Segment(1, 2, True), Segment(3, 3), Segment(4, 4)]))
+    plans += [
+        Plan.from_chain_segments([ChainSegment(i, i, i == k) for i in range(1, 5)])
+        for k in (1, 2, 4)
+    ]
+    plans.append(
+        Plan.from_chain_segments([ChainSegment(1, 2, True), ChainSegment(3, 3), ChainSegment(4, 4)])
+    )
     for plan in plans:
         planned = apply(model, plan, stages=captured.stages)
 

@@ -15,8 +15,7 @@ from torch import nn
 from remat.auto import auto, checkpoint_state_bytes, predicted_step_peak_bytes
 from remat.capture.chain import capture
 from remat.core.graph import Graph, Node
-from remat.core.graph_plan import GraphPlan
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.core.simulate import checkpoint_spans, graph_step_peak, simulate_graph
 from remat.core.step import StepCosts, StepEvent, event_step_bytes, segment_state_bytes
 from remat.execute.chain import apply
@@ -94,7 +93,7 @@ def _random_path(random_calls: tuple[int, ...]) -> Graph:
 def test_the_graph_executor_keeps_a_state_per_random_call_and_one_per_replay() -> None:
     # 4 nodes of 10 B, dropout twice in node 1 and once in node 3, segments [0-1] and [2-3]
     graph = _random_path((0, 2, 0, 1))
-    plan = GraphPlan.from_segments([[0, 1], [2, 3]])
+    plan = Plan.from_segments([[0, 1], [2, 3]])
     assert checkpoint_spans(plan) == ((0, 1), (2, 1))  # torch's checkpoint: one per segment
     assert checkpoint_spans(plan, None, [0, 2, 0, 1]) == ((0, 2), (2, 1))
     # node 0's backward makes 500 B of gradients: the step's peak; there, [0-1]'s two states
@@ -200,7 +199,9 @@ def test_a_recomputation_holds_the_rng_state_torch_checkpoint_forks_aside() -> N
     loop = conformance.Loop(conformance.build("hf-distilbert"), "loss_fn")
     model = loop.module
     captured = capture(model, loop.batch, loss_fn=loop.loss_fn)
-    plan = Plan((Segment(1, 1, False), Segment(2, 2, True), Segment(3, 4, False)))
+    plan = Plan.from_chain_segments(
+        (ChainSegment(1, 1, False), ChainSegment(2, 2, True), ChainSegment(3, 4, False))
+    )
     planned = apply(model, plan, stages=captured.stages)
 
     def step() -> None:
@@ -238,7 +239,7 @@ def test_a_recomputation_keeps_only_the_batch_norm_copies_it_makes(norm: type) -
     captured = capture(model, x)
     copies = norm is _OwnForwardBatchNorm
     assert captured.recompute_kept_bytes == ((2 * 64 * 4 + 8, 2 * 8 * 4 + 8, 0) if copies else ())
-    plan = Plan((Segment(1, 1, True), Segment(2, 3, False)))
+    plan = Plan.from_chain_segments((ChainSegment(1, 1, True), ChainSegment(2, 3, False)))
     planned = apply(model, plan, stages=captured.stages)
 
     def step() -> None:

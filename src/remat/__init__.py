@@ -13,7 +13,8 @@ from typing import Any
 
 from remat.core.chain import Chain
 from remat.core.chain_simulate import Simulation, simulate
-from remat.core.plan import Plan, PlanError, Segment
+from remat.core.errors import RematError, UnsupportedModelError
+from remat.core.plan import ChainSegment, Plan, PlanError, Segment
 from remat.core.units import format_bytes, parse_bytes
 from remat.planners import BudgetTooSmallError, available
 from remat.planning import ParetoPoint, pareto, plan
@@ -24,7 +25,10 @@ __all__ = [
     "Chain",
     "Plan",
     "Segment",
+    "ChainSegment",
     "PlanError",
+    "RematError",
+    "UnsupportedModelError",
     "Simulation",
     "simulate",
     "plan",

@@ -63,7 +63,7 @@ from remat.execute.chain import (
     step_state,
 )
 from remat.execute.graph import apply_graph
-from remat.graphs import GraphPlan, graph_step_peak, simulate_graph
+from remat.graphs import graph_step_peak, simulate_graph
 from remat.guards import (
     BatchCopy,
     BufferSnapshot,
@@ -114,7 +114,7 @@ class AutoSummary:
     method: str
     """Planner used."""
     plan: Plan
-    """The plan applied (a :class:`remat.graphs.GraphPlan` when the model is not a chain)."""
+    """The plan applied (a :class:`remat.graphs.Plan` when the model is not a chain)."""
     chain: Chain
     """The measured chain the plan was made for (a :class:`remat.graphs.Graph` when the
     model is not a chain)."""
@@ -595,7 +595,7 @@ def _auto_graph(
         """``(method, plan, budget bytes, step peak, unplanned step peak)`` for ``trace``."""
         graph = trace.graph
         costs = costs_of(trace, now)
-        unplanned = step_peak_of(graph, GraphPlan.none(), costs)
+        unplanned = step_peak_of(graph, Plan.none(), costs)
         total = None if spec is None else resolve_budget(spec, unplanned)
         chosen = plan_for_step(graph, costs, total)  # checkmate-milp / reforward / none
         return chosen.method, chosen, total, step_peak_of(graph, chosen, costs), unplanned
@@ -610,12 +610,12 @@ def _auto_graph(
     def measure_loss() -> tuple[int, int]:
         arguments = _model_arguments(model, loss_fn, batch)
         proxy = trace_graph(model, arguments, call_loss, "module", **options)
-        proxy_unplanned = graph_step_peak(proxy.graph, GraphPlan.none(), costs_of(proxy))
+        proxy_unplanned = graph_step_peak(proxy.graph, Plan.none(), costs_of(proxy))
         return unplanned - proxy_unplanned, proxy.graph.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
-    def replan(*args: Any, **kwargs: Any) -> tuple[GraphPlan, Any]:
+    def replan(*args: Any, **kwargs: Any) -> tuple[Plan, Any]:
         new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module", **options)
         held = margin(new.graph.input_bytes)
         if held:
@@ -629,7 +629,7 @@ def _auto_graph(
 
     planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
-    none = simulate_graph(graph, GraphPlan.none())
+    none = simulate_graph(graph, Plan.none())
     summary = AutoSummary.of(
         method,
         chosen,
@@ -1318,7 +1318,7 @@ def _planned(plan_at: Callable[[int], Plan], budget: int) -> Plan | None:
 
 def _nested(plan: Plan) -> bool:
     """Whether a checkpoint of ``plan`` holds another (one graph cannot run it)."""
-    return any(s.checkpoint and any(c.checkpoint for c in s.children) for s in plan.walk())
+    return plan.depth() > 1
 
 
 def _one_graph_peak(

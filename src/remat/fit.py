@@ -340,7 +340,7 @@ class FitSetup:
 
     def describe_levers(self) -> str:
         """One line: precision, microbatches, plan, sparsity."""
-        checkpoints = sum(1 for s in self.plan.walk() if s.checkpoint)
+        checkpoints = sum(1 for _ in self.plan.walk())
         parts = [
             self.precision_name + ("" if self.precision_name == "fp32" else " autocast"),
             f"{self.microbatches} microbatch{'es' if self.microbatches > 1 else ''} of "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from remat.core.errors import UnsupportedModelError
+from remat.core.errors import RematError, UnsupportedModelError
 
 __all__ = [
     "BatchCopy",
@@ -46,7 +46,7 @@ ORDER_HELP = (
 )
 
 
-class WrapOrderError(TypeError):
+class WrapOrderError(RematError, TypeError):
     """remat was given a model already wrapped for data parallelism (the message says the order)."""
 
 

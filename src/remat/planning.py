@@ -16,8 +16,7 @@ from typing import Any
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.core.simulate import checkpoint_spans, graph_step_peak, simulate_graph
 from remat.core.step import StepCosts, StepEvent, measured_step_peak, step_peak
 from remat.core.units import format_bytes, parse_bytes
@@ -222,7 +221,6 @@ DESCENT_STEPS = 2000
 """The most whole-step peaks :func:`step_descent` evaluates for one chain."""
 
 Structure = Chain | Graph
-AnyPlan = Plan | GraphPlan
 
 
 def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
@@ -233,7 +231,7 @@ def chain_timeline(chain: Chain, plan: Plan) -> list[StepEvent]:
     ]
 
 
-def step_peak_of(structure: Structure, plan: AnyPlan, costs: StepCosts) -> int:
+def step_peak_of(structure: Structure, plan: Plan, costs: StepCosts) -> int:
     """The whole training step's peak of ``plan`` (:func:`remat.core.step.step_peak` over its
     simulated timeline on a chain or a module graph), with ``costs.checkpoint_state_bytes``
     per checkpointed segment from the top-level segment's forward to its backward
@@ -258,11 +256,7 @@ def _chain_step(
     where ``costs`` keeps a state per segment)."""
     plan = plan.for_chain(chain)
     spans = (
-        tuple(
-            checkpoint_spans(
-                GraphPlan.from_chain_plan(plan, chain), copy_bytes=costs.buffer_copy_bytes
-            )
-        )
+        tuple(checkpoint_spans(plan, copy_bytes=costs.buffer_copy_bytes))
         if costs.checkpoint_state_bytes or any(costs.buffer_copy_bytes)
         else ()
     )
@@ -295,7 +289,7 @@ def plan_for_step(
     costs: StepCosts,
     budget: int | str | None,
     method: str | None = None,
-) -> AnyPlan:
+) -> Plan:
     """The plan of ``structure`` (a :class:`~remat.Chain` or a module
     :class:`~remat.graphs.Graph`) whose whole training step fits ``budget`` bytes
     (:func:`step_peak_of` with ``costs``), the fastest (simulated time) of the plans weighed.
@@ -334,7 +328,7 @@ def plan_for_step(
 
 def least_step_plan(
     structure: Structure, costs: StepCosts, method: str | None = None
-) -> tuple[AnyPlan, int]:
+) -> tuple[Plan, int]:
     """The floor's plan with the least whole-step peak and that peak: a budget
     :func:`plan_for_step` always accepts. The floor does not depend on the budget nor on the
     measured times: a chain's is ``method``'s least-activation plan and its candidates made on
@@ -348,7 +342,7 @@ def least_step_plan(
 
 def step_candidates(
     structure: Structure, costs: StepCosts, method: str | None = None
-) -> list[AnyPlan]:
+) -> list[Plan]:
     """The budget-independent plans :func:`plan_for_step` always weighs (step 3 there): a
     budget that one of them meets is never refused."""
     space = _Space(structure, costs, method)
@@ -367,21 +361,21 @@ class _Space:
         self.costs = costs
         self.is_chain = isinstance(structure, Chain)
         self.method = method or DEFAULT_METHOD["chain" if self.is_chain else "graph"]
-        self._peaks: dict[int, tuple[AnyPlan, int]] = {}
-        self._floor: list[AnyPlan] | None = None
+        self._peaks: dict[int, tuple[Plan, int]] = {}
+        self._floor: list[Plan] | None = None
 
     # ------------------------------------------------------------------ costs
-    def peak(self, p: AnyPlan) -> int:
+    def peak(self, p: Plan) -> int:
         if id(p) not in self._peaks:  # the plan is kept with its peak, so its id stays unique
             self._peaks[id(p)] = (p, step_peak_of(self.structure, p, self.costs))
         return self._peaks[id(p)][1]
 
     @staticmethod
-    def time(p: AnyPlan) -> float:
+    def time(p: Plan) -> float:
         return p.predicted_time or 0.0
 
     # ------------------------------------------------------------------ plans
-    def plan_at(self, activation_budget: int) -> AnyPlan | None:
+    def plan_at(self, activation_budget: int) -> Plan | None:
         """The planner's plan for ``activation_budget``; below its least peak: None for a chain
         planner, a graph planner's least-peak plan (:meth:`graph_least`)."""
         if activation_budget <= 0:
@@ -396,7 +390,7 @@ class _Space:
         except BudgetTooSmallError:
             return self.graph_least()
 
-    def graph_least(self) -> AnyPlan | None:
+    def graph_least(self) -> Plan | None:
         """A graph planner's plan at the least activation peak it names, chosen on unit times
         (:func:`_on_unit_times`, as :func:`unit_time_least_plan` for a chain: among the
         plans at that peak, which one the measured times pick moved the whole step's least by
@@ -405,7 +399,7 @@ class _Space:
         if not hasattr(self, "_graph_least"):
             graph: Graph = self.structure  # type: ignore[assignment]
             unit = _on_unit_times(graph)
-            found: AnyPlan | None = None
+            found: Plan | None = None
             try:
                 found = plan_graph(unit, self.method, 1)
             except BudgetTooSmallError as err:
@@ -414,23 +408,22 @@ class _Space:
                 except BudgetTooSmallError:
                     found = None
             if found is not None:
-                found = replace(found, graph_fingerprint=None)
+                found = replace(found, fingerprint=None)
                 sim = simulate_graph(graph, found)
-                fields = {"graph_fingerprint": graph.fingerprint}
-                found = stamp(found, sim, found.method, None, **fields)
+                found = stamp(found, sim, found.method, None).made_for(graph)
             self._graph_least = found
         return self._graph_least
 
-    def candidates(self) -> list[AnyPlan]:
+    def candidates(self) -> list[Plan]:
         if self.is_chain:
             return candidates(self.structure, self.method)  # type: ignore[arg-type]
         return []
 
-    def floor(self) -> list[AnyPlan]:
+    def floor(self) -> list[Plan]:
         if self._floor is None:
             if self.is_chain:
                 chain: Chain = self.structure  # type: ignore[assignment]
-                base: list[AnyPlan] = [
+                base: list[Plan] = [
                     unit_time_least_plan(chain, self.method),
                     plan_chain(chain, "none"),
                     *unit_time_candidates(chain, self.method),
@@ -450,10 +443,10 @@ class _Space:
         return self._floor
 
     # ------------------------------------------------------------------ budget=None
-    def least_memory_within_one_forward(self) -> AnyPlan:
+    def least_memory_within_one_forward(self) -> Plan:
         if not self.is_chain:
             graph: Graph = self.structure  # type: ignore[assignment]
-            limit = simulate_graph(graph, GraphPlan.none()).total_time + sum(
+            limit = simulate_graph(graph, Plan.none()).total_time + sum(
                 node.fwd_time for node in graph.nodes
             )
             least = plan_graph(graph, "reforward")
@@ -474,7 +467,7 @@ class _Space:
         return best[-1]
 
 
-def _search(space: _Space, total: int) -> AnyPlan:
+def _search(space: _Space, total: int) -> Plan:
     """:func:`plan_for_step` with a budget of ``total`` bytes."""
     costs = space.costs
     if costs.optimizer_phase_bytes > total:
@@ -484,7 +477,7 @@ def _search(space: _Space, total: int) -> AnyPlan:
     first = space.plan_at(hi)
     if first is not None and space.peak(first) <= total:
         return first
-    fitting: list[AnyPlan] = []
+    fitting: list[Plan] = []
 
     def fits(activation_budget: int) -> bool:
         found = space.plan_at(activation_budget)
@@ -553,10 +546,10 @@ def unit_time_candidates(chain: Chain, method: str) -> list[Plan]:
 def step_descent(
     structure: Structure,
     costs: StepCosts,
-    starts: list[AnyPlan],
+    starts: list[Plan],
     method: str,
     steps: int = DESCENT_STEPS,
-) -> AnyPlan | None:
+) -> Plan | None:
     """A flat plan whose whole step (:func:`step_peak_of` with ``costs``) peaks lower than every
     plan of ``starts``, or None: a descent on the step's peak from the top level of each start
     (nested sub-plans dropped), moving to the first neighbour that lowers it until none does,
@@ -577,7 +570,7 @@ def step_descent(
     if isinstance(structure, Chain):
         n = structure.n
         chain_starts = [
-            tuple((s.start, s.stop, s.checkpoint) for s in p.for_chain(n).segments) for p in starts
+            tuple((s.start, s.stop, s.checkpoint) for s in p.chain_segments(n)) for p in starts
         ]
         best = _descend(
             chain_starts,
@@ -593,14 +586,14 @@ def step_descent(
     graph_starts = [tuple(seg.nodes for seg in p.segments) for p in starts]  # type: ignore[union-attr]
 
     def graph_peak(segs: tuple[tuple[int, ...], ...]) -> int:
-        return step_peak_of(graph, GraphPlan.from_segments(segs), costs)
+        return step_peak_of(graph, Plan.from_segments(segs), costs)
 
     found_segs = _descend(graph_starts, lambda s: _graph_neighbours(graph, s), graph_peak, steps)
     if found_segs is None:
         return None
-    plan = GraphPlan.from_segments(found_segs, method=method, params={"step_descent": True})
+    plan = Plan.from_segments(found_segs, method=method, params={"step_descent": True})
     sim = simulate_graph(graph, plan)
-    return stamp(plan, sim, method, None, graph_fingerprint=graph.fingerprint)
+    return stamp(plan, sim, method, None).made_for(graph)
 
 
 def _descend(
@@ -686,7 +679,7 @@ def _graph_neighbours(
 
 
 def _flat(segs: tuple[tuple[int, int, bool], ...]) -> Plan:
-    return Plan(tuple(Segment(a, b, f) for a, b, f in segs))
+    return Plan.from_chain_segments(tuple(ChainSegment(a, b, f) for a, b, f in segs))
 
 
 def _chain_neighbours(
@@ -707,7 +700,7 @@ def _chain_neighbours(
 
 def _for_chain(plan: Plan, chain: Chain, method: str) -> Plan:
     """A plan made on another reading of ``chain`` (unit times), stamped with its costs."""
-    plan = replace(plan, chain_fingerprint=None, stages_fingerprint=None).for_chain(chain)
+    plan = replace(plan, fingerprint=None, stages_fingerprint=None).for_chain(chain)
     return stamp(plan, simulate(chain, plan), method, None).made_for(chain)
 
 

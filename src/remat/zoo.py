@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.core.errors import RematError
 from remat.measure.profile import default_loss_fn
 
 __all__ = [
@@ -89,7 +90,7 @@ __all__ = [
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(RematError, ValueError):
     """No zoo model or factory by that name (the message lists the names)."""
 
 

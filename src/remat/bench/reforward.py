@@ -63,7 +63,7 @@ from typing import Any
 
 from remat.capture.graph import trace_levels
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
 from remat.execute.graph import apply_graph
 from remat.measure.events import interleaved_times, median_ratio
@@ -218,7 +218,7 @@ def plan_all(
     }
     ref = out["reforward"]["plan"]
     ref_budget = ref.predicted_peak_bytes if ref is not None else None
-    paper_budget = int(paper_ratio * simulate_graph(graph, GraphPlan.none()).peak_bytes)
+    paper_budget = int(paper_ratio * simulate_graph(graph, Plan.none()).peak_bytes)
     for key, budget in (("", ref_budget), ("@paper", paper_budget)):
         for method, planner, options in (
             ("checkmate-milp", "checkmate-milp", {}),
@@ -262,7 +262,7 @@ def table_rows(name: str, graph: Any, plans: dict[str, dict], batch: int, image:
     """Rows of the main table for one model (see the module docstring)."""
 
     _, _, regular_mb, ogc_mb, regular_s, ogc_s = PAPER[name]
-    none = simulate_graph(graph, GraphPlan.none())
+    none = simulate_graph(graph, Plan.none())
     floor_bytes, floor_node = backward_floor(graph)
     rows = []
     for method in METHODS:
@@ -327,12 +327,12 @@ def measure(
     ``batch``: measured time ratio (interleaved with the unplanned step) and exact peak."""
 
     graph, model, x, _ = capture(name, batch, image)
-    none_sim = simulate_graph(graph, GraphPlan.none())
+    none_sim = simulate_graph(graph, Plan.none())
     planned: dict[str, Any] = {}
     for key, plan in plans.items():
         if key == "none":
             continue
-        plan = replace(plan, graph_fingerprint=graph.fingerprint)
+        plan = replace(plan, fingerprint=graph.fingerprint)
         planned[key] = apply_graph(model, plan, graph, x, sum_loss)
 
     def step(module: Any) -> Callable[[], None]:
@@ -396,7 +396,7 @@ def speed_rows(progress: Callable[[str], None]) -> list[dict]:
     for name, level, runs in cases:
         batch, image = PAPER[name][:2]
         graph, _, _, capture_s = capture(name, batch, image, level)
-        none = simulate_graph(graph, GraphPlan.none())
+        none = simulate_graph(graph, Plan.none())
         for method, planner, options in runs:
             budget = None
             if planner == "checkmate-milp":
@@ -860,7 +860,7 @@ def milp_speed(out: Path, time_limit_s: float = SPEED_TARGETS_S["checkmate-milp"
     )
     rows: list[dict] = []
     for variant, g in (("captured", graph), ("keeps_output=True", kept)):
-        none = simulate_graph(g, GraphPlan.none()).peak_bytes
+        none = simulate_graph(g, Plan.none()).peak_bytes
         ref = plan_graph(g, "reforward").predicted_peak_bytes
         budgets = [(f"{f:g}", int(f * none)) for f in MILP_SPEED_FRACTIONS]
         budgets.append(("reforward", ref))

@@ -7,7 +7,7 @@ timeline. Every planner is tested against it; the executor is tested against it.
 
 It is the chain fast path of the one simulator, :func:`remat.graphs.lower_plan` +
 :func:`remat.graphs.run_schedule` on the chain's path graph
-(:meth:`remat.graphs.Graph.from_chain`, :meth:`remat.graphs.GraphPlan.from_chain_plan`):
+(:meth:`remat.graphs.Graph.from_chain`; the same :class:`~remat.core.plan.Plan`):
 several times faster, for the planners' sweeps, and equal to it, event by event
 (``tests/test_one_simulator.py``, over every registered planner). Both return the same
 :class:`Simulation` and :class:`Event` types.
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat.core.chain import Chain
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 
 __all__ = ["simulate", "Simulation", "Event", "register_simulator"]
 
@@ -118,7 +118,7 @@ class Simulation:
 def simulate(chain: Chain, plan: Plan) -> Simulation:
     """Simulate one training step of ``chain`` under ``plan`` (see the module docstring).
 
-    Given a :class:`remat.graphs.Graph` and a :class:`remat.graphs.GraphPlan` instead, it runs
+    Given a :class:`remat.graphs.Graph` instead, it runs
     :func:`remat.graphs.simulate_graph` (same idea on a DAG; registered with
     :func:`register_simulator`).
     """
@@ -127,8 +127,7 @@ def simulate(chain: Chain, plan: Plan) -> Simulation:
             if isinstance(chain, kind):
                 return simulator(chain, plan)
         raise TypeError(f"simulate takes a Chain or a Graph, got {type(chain).__name__}")
-    plan = plan.for_chain(chain)
-    return _Simulator(chain).run(plan.segments)
+    return _Simulator(chain).run(plan.chain_segments(chain))
 
 
 def register_simulator(kind: type, simulator: Callable[[Any, Any], Any]) -> None:
@@ -201,7 +200,7 @@ class _Simulator:
         self.events.append(Event(op, stage - 1, recompute, peak, self.live, t))
 
     # -------------------------------------------------------------- walk
-    def run(self, segments: Sequence[Segment]) -> Simulation:
+    def run(self, segments: Sequence[ChainSegment]) -> Simulation:
         c = self.chain
         a0 = self._alloc(("a", 0, 0), c.input_bytes)
         self.peak = self.live
@@ -225,7 +224,7 @@ class _Simulator:
             timeline=tuple(self.events),
         )
 
-    def _forward(self, segments: Sequence[Segment], inp: object, drop: bool = False) -> object:
+    def _forward(self, segments: Sequence[ChainSegment], inp: object, drop: bool = False) -> object:
         """Run ``segments`` forward from ``inp`` (caller's running reference, consumed) and
         return the output; with ``drop`` (a recomputation, whose output nothing reads) release
         the output within the last stage's event instead."""
@@ -258,7 +257,7 @@ class _Simulator:
         self._record("F_all" if store else "F_none", i, recompute, peak, c.fwd_time[i - 1])
         return out
 
-    def _backward(self, segments: Sequence[Segment], grad: object) -> object | None:
+    def _backward(self, segments: Sequence[ChainSegment], grad: object) -> object | None:
         """Back-propagate ``segments`` given the gradient of their output; return the input's."""
         for seg in reversed(segments):
             if seg.checkpoint:

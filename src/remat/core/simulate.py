@@ -3,7 +3,7 @@ chain fast path, equal to it on the path graph event by event: ``tests/test_one_
 
 Two steps, both public so that an executor can be checked against them:
 
-1. :func:`lower_plan` turns a :class:`~remat.core.graph_plan.GraphPlan` into an explicit
+1. :func:`lower_plan` turns a :class:`~remat.core.graph_plan.Plan` into an explicit
    **schedule**: the forward ops, the loss, the backward ops with the recomputations inserted,
    and after each op the tensors it is the last to need (reference counting: a tensor is freed
    as soon as no later forward, recomputation, backward or checkpoint frame needs it).
@@ -41,11 +41,11 @@ The rules (``docs/graphs.md`` has them with an example):
 
 Example:
     >>> from remat.core.graph import Graph
-    >>> from remat.core.graph_plan import GraphPlan
+    >>> from remat.core.plan import Plan
     >>> g = Graph.from_edges([(), (0,), (1,), (2,)], out_bytes=[10, 10, 10, 10], input_bytes=10)
-    >>> simulate_graph(g, GraphPlan.none()).peak_bytes      # input + 4 outputs + 2 gradients
+    >>> simulate_graph(g, Plan.none()).peak_bytes      # input + 4 outputs + 2 gradients
     70
-    >>> simulate_graph(g, GraphPlan.from_segments([[0, 1]])).recompute_time
+    >>> simulate_graph(g, Plan.from_segments([[0, 1]])).recompute_time
     2.0
 """
 
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from remat.core.chain_simulate import Event, Simulation, register_simulator
 from remat.core.errors import InfeasibleScheduleError
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.plan import Plan, Segment
 from remat.core.step import StepCosts, StepEvent, step_peak
 
 __all__ = [
@@ -113,9 +113,7 @@ GraphSimulation = Simulation
 graphs)."""
 
 
-def simulate_graph(
-    graph: Graph, plan: GraphPlan, order: Sequence[int] | None = None
-) -> GraphSimulation:
+def simulate_graph(graph: Graph, plan: Plan, order: Sequence[int] | None = None) -> GraphSimulation:
     """Simulate one training step of ``graph`` under ``plan`` (see the module docstring).
 
     ``order`` is the forward execution order (any topological order of the nodes; default the
@@ -127,7 +125,7 @@ def simulate_graph(
 
 def simulate_step_peak(
     graph: Graph,
-    plan: GraphPlan,
+    plan: Plan,
     fixed_bytes: int,
     param_grad_bytes: Sequence[int],
     order: Sequence[int] | None = None,
@@ -155,7 +153,7 @@ def simulate_step_peak(
 
 
 def graph_step_peak(
-    graph: Graph, plan: GraphPlan, costs: StepCosts, order: Sequence[int] | None = None
+    graph: Graph, plan: Plan, costs: StepCosts, order: Sequence[int] | None = None
 ) -> int:
     """:func:`remat.core.step.step_peak` of ``plan`` over the graph's simulated timeline
     (``costs.grad_bytes`` per node; ``costs.checkpoint_state_bytes`` per checkpointed segment,
@@ -197,7 +195,7 @@ def graph_step_peak(
 
 
 def checkpoint_spans(
-    plan: GraphPlan,
+    plan: Plan,
     order: Sequence[int] | None = None,
     random_calls: Sequence[int] | None = None,
     copy_bytes: Sequence[int] | None = None,
@@ -206,17 +204,17 @@ def checkpoint_spans(
     segments in its subtree)``: what :func:`remat.core.step.segment_state_bytes` reads. The
     segment's checkpoint lives from that node's first forward to its backward, the segment's
     last (as :func:`lower_plan` keeps the segment's frame); on a chain's path graph
-    (:meth:`GraphPlan.from_chain_plan`) node ``i`` is stage ``i + 1``. With ``random_calls``
+    (one plan type: :meth:`Plan.chain_segments`) node ``i`` is stage ``i + 1``. With ``random_calls``
     (per node), the count is the random calls of the segment's nodes instead: the states the
     graph executor saves. With ``copy_bytes`` (per node: the chain executor's copies of the
     buffers each forward writes, :attr:`remat.core.step.StepCosts.buffer_copy_bytes`), a
     third number: those bytes summed over the nodes of every segment in the subtree."""
     pos = {v: i for i, v in enumerate(order)} if order is not None else None
 
-    def first(seg: GraphSegment) -> int:
+    def first(seg: Segment) -> int:
         return seg.nodes[0] if pos is None else min(seg.nodes, key=pos.__getitem__)
 
-    def count(seg: GraphSegment) -> int:
+    def count(seg: Segment) -> int:
         if random_calls is None:
             return sum(1 for _ in seg.walk())
         return sum(random_calls[v] for v in seg.nodes)
@@ -224,14 +222,14 @@ def checkpoint_spans(
     if not copy_bytes or not any(copy_bytes):
         return tuple((first(s), count(s)) for s in plan.segments)
 
-    def copies(seg: GraphSegment) -> int:
+    def copies(seg: Segment) -> int:
         return sum(copy_bytes[v] for inner in seg.walk() for v in inner.nodes)
 
     return tuple((first(s), count(s), copies(s)) for s in plan.segments)
 
 
 def lower_plan(
-    graph: Graph, plan: GraphPlan, order: Sequence[int] | None = None
+    graph: Graph, plan: Plan, order: Sequence[int] | None = None
 ) -> tuple[ScheduleOp, ...]:
     """The explicit schedule of ``plan``: every op in order with the tensors it frees."""
     plan = plan.for_graph(graph)
@@ -356,7 +354,7 @@ def _describe(graph: Graph, tensor: Tensor) -> str:
 class _Lowering:
     """Builds the schedule of a plan; see the rules in the module docstring."""
 
-    def __init__(self, graph: Graph, plan: GraphPlan, order: Sequence[int] | None) -> None:
+    def __init__(self, graph: Graph, plan: Plan, order: Sequence[int] | None) -> None:
         self.graph = graph
         self.order = list(range(graph.n)) if order is None else list(order)
         graph.check_order(self.order)
@@ -372,7 +370,7 @@ class _Lowering:
         self.holds: dict[int, list[Tensor]] = {}  # what B(v) needs: saved tensors, inputs
         self.frame_release: dict[int, list[Tensor]] = {}  # segment frames ending at B(v)
         self.frame_env: dict[int, dict[int, Tensor]] = {}  # id(segment) -> its kept inputs
-        self.recompute_at: dict[int, list[GraphSegment]] = {}
+        self.recompute_at: dict[int, list[Segment]] = {}
         self.passes = 0
         self.computed = [0] * graph.n
         # constants (Graph.constants): allocated at the first forward of the earliest node
@@ -405,7 +403,7 @@ class _Lowering:
         for segs in self.recompute_at.values():
             segs.sort(key=lambda s: -len(s.nodes))  # a parent is larger than its children
 
-    def _index(self, seg: GraphSegment, depth: int) -> None:
+    def _index(self, seg: Segment, depth: int) -> None:
         last = max(seg.nodes, key=lambda v: self.pos[v])
         self.recompute_at.setdefault(last, []).append(seg)
         for child in seg.children:
@@ -430,7 +428,7 @@ class _Lowering:
             last_use[tensor] = idx
 
     def _forward_pass(
-        self, nodes: Sequence[int], children: Sequence[GraphSegment], env: dict[int, Tensor]
+        self, nodes: Sequence[int], children: Sequence[Segment], env: dict[int, Tensor]
     ) -> None:
         """Run ``nodes`` forward (one pass: the first forward or a recomputation)."""
         version = self.passes

@@ -46,7 +46,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.capture.chain import compile_stages, no_autocast_cache
 from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
-from remat.core.plan import Plan, PlanError, Segment
+from remat.core.errors import RematError
+from remat.core.plan import ChainSegment, Plan, PlanError
 from remat.guards import (
     InPlaceInputError,
     _versions,
@@ -74,7 +75,7 @@ __all__ = [
 ]
 
 
-class SignatureMismatchError(ValueError):
+class SignatureMismatchError(RematError, ValueError):
     """The model was called with inputs of other shapes/dtypes than the plan was made for."""
 
 
@@ -440,9 +441,11 @@ class _Executor:
     ) -> None:
         self.stages = stages
         self.plan = plan
+        self.tree = plan.chain_segments(stages.n)
+        """The plan as the stage tree the nested checkpoints run."""
         self.early_stop = early_stop
         self._buffers: dict[tuple[int, int], _SegmentBuffers] = {}
-        for seg in plan.walk():
+        for seg in (s for top in self.tree for s in top.walk()):
             if seg.checkpoint:
                 mods = stages.modules[seg.start - 1 : seg.stop]
                 self._buffers[(seg.start, seg.stop)] = _SegmentBuffers(list(buffer_slots(*mods)))
@@ -469,9 +472,9 @@ class _Executor:
         return self.compiled is not None or self.compiled_step is not None
 
     def run(self, a: Any) -> Any:
-        return self._run_segments(self.plan.segments, a)
+        return self._run_segments(self.tree, a)
 
-    def _run_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+    def _run_segments(self, segments: Sequence[ChainSegment], a: Any) -> Any:
         modules = self.compiled or self.stages.modules
         for seg in segments:
             if seg.checkpoint:
@@ -481,7 +484,7 @@ class _Executor:
                     a = modules[i - 1](a)
         return a
 
-    def _checkpointed(self, seg: Segment, a: Any) -> Any:
+    def _checkpointed(self, seg: ChainSegment, a: Any) -> Any:
         # Tensors go to checkpoint as positional arguments: torch saves only those through
         # saved-tensor hooks (so an enclosing checkpoint recomputes them, Rule 2); tensors
         # nested in a tuple argument would be held by reference instead. For the same reason
@@ -556,10 +559,10 @@ class _Executor:
     # functionalises buffer updates (applied once per step).
     def _traced_step(self, args: tuple, kwargs: dict) -> Any:
         stages = self.stages
-        a = self._traced_segments(self.plan.segments, stages.prepare(*args, **kwargs))
+        a = self._traced_segments(self.tree, stages.prepare(*args, **kwargs))
         return stages.finish(a, *args, **kwargs)
 
-    def _traced_segments(self, segments: Sequence[Segment], a: Any) -> Any:
+    def _traced_segments(self, segments: Sequence[ChainSegment], a: Any) -> Any:
         modules = self.stages.modules
         for seg in segments:
             if not seg.checkpoint:
@@ -656,9 +659,7 @@ ONE_GRAPH = "one-graph"
 def one_graph_plan(plan: Plan) -> bool:
     """Whether ``plan`` runs compiled as one graph: its ``params`` say so and it is flat (no
     checkpoint inside another)."""
-    return plan.params.get("compiled") == ONE_GRAPH and all(
-        not seg.checkpoint or not any(c.checkpoint for c in seg.children) for seg in plan.walk()
-    )
+    return plan.params.get("compiled") == ONE_GRAPH and plan.depth() <= 1
 
 
 def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
@@ -679,7 +680,7 @@ def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
 
 def _segment_runner(
     executor: _Executor,
-    children: Sequence[Segment],
+    children: Sequence[ChainSegment],
     positions: list[int] | None,
     template: list[Any] | None,
     spec: Any,
@@ -708,7 +709,7 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a remat.Plan, got {type(plan).__name__}")
     n = stages.n
-    if plan.rule is None and plan.n != n:
+    if plan.n is not None and plan.n != n:
         raise PlanError(
             f"the plan covers {plan.n} stages but the model has {n} stages "
             f"({stages.describe()}); make the plan for this model's chain (same stages), e.g. "

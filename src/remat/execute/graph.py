@@ -1,4 +1,4 @@
-"""Apply a :class:`~remat.core.graph_plan.GraphPlan` to the eager model: :func:`apply_graph`.
+"""Apply a :class:`~remat.core.graph_plan.Plan` to the eager model: :func:`apply_graph`.
 
 The returned :class:`GraphPlannedModule` runs the model's own ``forward`` (eager, Python
 control flow, Hugging Face outputs, hooks: all unchanged) under a ``TorchFunctionMode`` that
@@ -74,8 +74,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.capture.chain import _model_arguments
 from remat.capture.graph import GraphTrace, in_transform, is_tensor_call, trace_levels
+from remat.core.errors import RematError
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.plan import Plan, Segment
 from remat.execute.chain import (
     PlannedWrapper,
     SignaturePlans,
@@ -91,25 +92,25 @@ from remat.measure.profile import LossFn, default_loss_fn
 __all__ = ["apply_graph", "GraphPlannedModule", "GraphExecutionError", "executed_plan"]
 
 
-class GraphExecutionError(RuntimeError):
+class GraphExecutionError(RematError, RuntimeError):
     """The model ran differently from its trace, or a recomputation cannot be done."""
 
 
 def apply_graph(
     model: nn.Module,
-    plan: GraphPlan,
+    plan: Plan,
     graph: Graph,
     batch: Any = None,
     loss_fn: LossFn | None = None,
     *,
     fake_trace: bool = True,
-    replan: Callable[..., tuple[GraphPlan, Graph]] | None = None,
+    replan: Callable[..., tuple[Plan, Graph]] | None = None,
 ) -> GraphPlannedModule:
     """Wrap ``model`` so that its training steps run under the graph plan ``plan``.
 
     Args:
         model: the eager model; parameters and buffers are shared, not copied.
-        plan: a :class:`GraphPlan` for ``graph`` (e.g. from :func:`remat.graphs.plan_graph`).
+        plan: a :class:`Plan` for ``graph`` (e.g. from :func:`remat.graphs.plan_graph`).
         graph: the graph the plan was made for, from :func:`remat.capture.graph.capture_graph`
             on this model (either level; the level is recognised from the node names).
         batch, loss_fn: what ``graph`` was captured with; the model is traced again on them
@@ -128,8 +129,8 @@ def apply_graph(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, GraphPlannedModule):
         raise TypeError("this model already has a plan; apply it to planned.model instead")
-    if not isinstance(plan, GraphPlan):
-        raise TypeError(f"plan must be a GraphPlan, got {type(plan).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
     check_no_own_checkpointing(model)
     plan.for_graph(graph)
     module = GraphPlannedModule(model, plan, graph, fake_trace, replan)
@@ -141,23 +142,23 @@ def apply_graph(
     return module
 
 
-def executed_plan(plan: GraphPlan, node_inside: Sequence[bool]) -> GraphPlan:
+def executed_plan(plan: Plan, node_inside: Sequence[bool]) -> Plan:
     """``plan`` without the nodes that run outside the model's forward (the loss)."""
 
-    def strip(seg: GraphSegment) -> GraphSegment | None:
+    def strip(seg: Segment) -> Segment | None:
         nodes = tuple(v for v in seg.nodes if node_inside[v])
         if not nodes:
             return None
         children = tuple(c for c in (strip(c) for c in seg.children) if c is not None)
         children = tuple(c for c in children if c.nodes != nodes)
-        return GraphSegment(nodes, children)
+        return Segment(nodes, children)
 
     segments = tuple(s for s in (strip(s) for s in plan.segments) if s is not None)
     if segments == plan.segments:
         return plan
     params = dict(plan.params)
     params["executed_from"] = plan.describe()
-    return GraphPlan(segments, method=plan.method, params=params, graph_fingerprint=None)
+    return Plan(segments, method=plan.method, params=params, fingerprint=None)
 
 
 class GraphPlannedModule(PlannedWrapper):
@@ -171,10 +172,10 @@ class GraphPlannedModule(PlannedWrapper):
     def __init__(
         self,
         model: nn.Module,
-        plan: GraphPlan,
+        plan: Plan,
         graph: Graph,
         fake_trace: bool,
-        replan: Callable[..., tuple[GraphPlan, Graph]] | None = None,
+        replan: Callable[..., tuple[Plan, Graph]] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -191,7 +192,7 @@ class GraphPlannedModule(PlannedWrapper):
         object.__setattr__(self, "_plans", plans)
 
     @property
-    def _plan(self) -> GraphPlan:
+    def _plan(self) -> Plan:
         return self._plans.current.plan
 
     @property
@@ -203,7 +204,7 @@ class GraphPlannedModule(PlannedWrapper):
         return self._plans.current.program
 
     @property
-    def plan(self) -> GraphPlan:
+    def plan(self) -> Plan:
         """The plan as given (for the last training input signature)."""
         return self._plan
 
@@ -213,7 +214,7 @@ class GraphPlannedModule(PlannedWrapper):
         return self._graph
 
     @property
-    def executed_plan(self) -> GraphPlan:
+    def executed_plan(self) -> Plan:
         """The plan actually run (loss nodes removed); simulate this one."""
         if self._program is None:
             raise GraphExecutionError("the model has not been traced yet (call it once)")
@@ -252,17 +253,17 @@ class GraphPlannedModule(PlannedWrapper):
             )
         return out
 
-    def _build(self, result: tuple[GraphPlan, Graph], args: tuple, kwargs: dict) -> _Planned:
+    def _build(self, result: tuple[Plan, Graph], args: tuple, kwargs: dict) -> _Planned:
         """A re-plan's ``(plan, graph)`` for the call ``(args, kwargs)``, traced on it."""
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(f"replan must return (GraphPlan, Graph), got {type(result).__name__}")
+            raise TypeError(f"replan must return (Plan, Graph), got {type(result).__name__}")
         plan, graph = result
-        if not isinstance(plan, GraphPlan):
-            raise TypeError(f"replan must return (GraphPlan, Graph), got a {type(plan).__name__}")
+        if not isinstance(plan, Plan):
+            raise TypeError(f"replan must return (Plan, Graph), got a {type(plan).__name__}")
         plan.for_graph(graph)
         return _Planned(plan, graph, self._prepare(plan, graph, (args, kwargs), call_loss))
 
-    def _prepare(self, plan: GraphPlan, graph: Graph, batch: Any, loss_fn: LossFn) -> _Program:
+    def _prepare(self, plan: Plan, graph: Graph, batch: Any, loss_fn: LossFn) -> _Program:
         try:
             traces = trace_levels(self.model, batch, loss_fn, fake=self._fake_trace, costs=False)
         except Exception as err:  # noqa: BLE001 - fall back to a real trace, then fail clearly
@@ -292,7 +293,7 @@ class GraphPlannedModule(PlannedWrapper):
 class _Planned:
     """A graph plan, its graph, and the traced program that runs it (None until traced)."""
 
-    plan: GraphPlan
+    plan: Plan
     graph: Graph
     program: _Program | None
 
@@ -353,17 +354,17 @@ class _Program:
     """The traced calls of the model's forward with their segments."""
 
     trace: GraphTrace
-    plan: GraphPlan
+    plan: Plan
     calls: list[_CallSpec]
     parents: list[int]  # segment id -> parent id (-1 for top level)
     copy_ids: set[int]  # ids of running-statistics buffers (written without a version bump)
 
     @classmethod
-    def build(cls, trace: GraphTrace, plan: GraphPlan, model: nn.Module) -> _Program:
+    def build(cls, trace: GraphTrace, plan: Plan, model: nn.Module) -> _Program:
         chain_of: dict[int, tuple[int, ...]] = {}
         parents: list[int] = []
 
-        def visit(seg: GraphSegment, prefix: tuple[int, ...], parent: int) -> None:
+        def visit(seg: Segment, prefix: tuple[int, ...], parent: int) -> None:
             sid = len(parents)
             parents.append(parent)
             chain = (*prefix, sid)

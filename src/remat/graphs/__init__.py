@@ -2,8 +2,9 @@
 
 * :class:`Graph` / :class:`Node` (``graph.py``): a DAG of costed nodes in topological order,
   the same per-node convention as :class:`remat.Chain`; JSON with a schema version.
-* :class:`GraphPlan` / :class:`GraphSegment` (``plan.py``): stored nodes, recomputation
-  segments (nestable), and the kept tensors they imply.
+* :class:`Plan` / :class:`Segment` (``core/plan.py``): stored nodes, recomputation
+  segments (nestable), and the kept tensors they imply: the one plan type of chains and graphs
+  (``GraphPlan``, ``GraphSegment`` and ``GraphPlanError`` are its old names here).
 * :func:`simulate_graph` (``simulate.py``): the single source of truth for a plan's peak and
   time (:func:`simulate_step_peak`: the whole step's, parameter gradients included);
   :func:`lower_plan` gives the explicit schedule an executor must reproduce and
@@ -26,7 +27,7 @@ Example:
 from __future__ import annotations
 
 from remat.core.graph import GRAPH_SCHEMA_VERSION, Graph, Node
-from remat.core.graph_plan import GRAPH_PLAN_SCHEMA_VERSION, GraphPlan, GraphPlanError, GraphSegment
+from remat.core.plan import PLAN_SCHEMA_VERSION, Plan, PlanError, Segment
 from remat.core.simulate import (
     GraphEvent,
     GraphSimulation,
@@ -41,9 +42,17 @@ from remat.core.simulate import (
 from remat.planners import graph as _planners
 from remat.planners.graph import *  # noqa: F403 - the graph planners' names
 
+GraphPlan = Plan
+GraphSegment = Segment
+GraphPlanError = PlanError
+GRAPH_PLAN_SCHEMA_VERSION = PLAN_SCHEMA_VERSION
+
 __all__ = [
     "Graph",
     "Node",
+    "Plan",
+    "Segment",
+    "PlanError",
     "GraphPlan",
     "GraphSegment",
     "GraphPlanError",

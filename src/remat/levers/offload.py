@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core.errors import RematError
 from remat.levers.precision import _is_plain, _is_state, _state_storages
 
 __all__ = ["offload_saved_activations", "offload_available", "OffloadUnavailableError"]
@@ -51,7 +52,7 @@ __all__ = ["offload_saved_activations", "offload_available", "OffloadUnavailable
 _WARNED = False
 
 
-class OffloadUnavailableError(RuntimeError):
+class OffloadUnavailableError(RematError, RuntimeError):
     """Offload was requested with ``on_cpu="error"`` on a machine without CUDA."""
 
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from remat.core.chain import Chain
+from remat.core.errors import RematError
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
 from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
 from remat.planners.registry import BudgetTooSmallError, available, plan_chain, register
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-class ArticulationError(ValueError):
+class ArticulationError(RematError, ValueError):
     """The graph cannot be cut into enough blocks (or has several outputs)."""
 
 
@@ -177,13 +177,15 @@ def block_chain(graph: Graph, min_blocks: int = 2) -> tuple[Chain, list[list[int
     return chain, blocks
 
 
-def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> GraphPlan:
+def chain_plan_to_graph(plan: Plan, blocks: list[list[int]]) -> Plan:
     """The graph plan of a chain plan over blocks (stage ``k`` = ``blocks[k - 1]``)."""
-    return GraphPlan.from_chain_plan(plan, blocks=blocks)
+    return Plan.from_chain_segments(
+        plan.chain_segments(len(blocks)), blocks=blocks, method=plan.method, params=plan.params
+    )
 
 
 @register("articulation", plans="graph")
-def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
+def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -> Plan:
     """Cut points -> chain of blocks -> a chain planner -> graph plan (module docstring)."""
     config = ArticulationConfig(**options)
     chain, blocks = block_chain(graph, config.min_blocks)
@@ -197,7 +199,7 @@ def plan_articulation(graph: Graph, budget: int | None = None, **options: Any) -
                 f"{', '.join(names)}>"
             )
 
-    def attempt(chain_budget: int | None) -> tuple[GraphPlan, int, float, str] | None:
+    def attempt(chain_budget: int | None) -> tuple[Plan, int, float, str] | None:
         try:
             cplan = plan_chain(chain, method, chain_budget)
         except BudgetTooSmallError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from remat.core.chain import Chain
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
 from remat.core.plan import Plan
 from remat.planners.registry import register
 
@@ -25,6 +24,6 @@ def plan_every_stage(chain: Chain, budget: int | None = None) -> Plan:
 
 
 @register("none", plans="graph")
-def plan_none_graph(graph: Graph, budget: int | None = None) -> GraphPlan:
+def plan_none_graph(graph: Graph, budget: int | None = None) -> Plan:
     """Store every node: the fastest plan and the largest peak."""
-    return GraphPlan.none()
+    return Plan.none()

@@ -84,8 +84,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from remat.core.errors import RematError
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan, GraphSegment
+from remat.core.plan import Plan, Segment
 from remat.core.simulate import simulate_graph
 from remat.planners.registry import BudgetTooSmallError, register
 
@@ -100,7 +101,7 @@ __all__ = [
 ]
 
 
-class PlannerTimeoutError(RuntimeError):
+class PlannerTimeoutError(RematError, RuntimeError):
     """The solver found no feasible plan within its time limit (feasibility unknown)."""
 
 
@@ -142,18 +143,18 @@ class MilpConfig:
 
 
 @register("checkmate-milp", plans="graph")
-def plan_checkmate(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
+def plan_checkmate(graph: Graph, budget: int | None = None, **options: Any) -> Plan:
     """Checkmate's exact MILP: minimal simulated time with a peak within ``budget``."""
     config = MilpConfig(**options)
     if budget is None:
-        return GraphPlan.none()
+        return Plan.none()
     if config.relaxation:
         return _round_lp(graph, budget, config)
     return _solve_exact(graph, budget, config)
 
 
 @register("checkmate-lp", plans="graph")
-def plan_checkmate_lp(graph: Graph, budget: int | None = None, **options: Any) -> GraphPlan:
+def plan_checkmate_lp(graph: Graph, budget: int | None = None, **options: Any) -> Plan:
     """Checkmate's LP relaxation + rounding (fast, approximate; see the module docstring)."""
     options.setdefault("relaxation", True)
     return plan_checkmate(graph, budget, **options)
@@ -235,7 +236,7 @@ class _Model:
             groups[group] = groups.get(group, 0) + 1
         return groups
 
-    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+    def segments(self, x: Any) -> tuple[Segment, ...]:
         """The plan's segments from an integral solution vector."""
         raise NotImplementedError
 
@@ -479,13 +480,13 @@ class StageModel(_Model):
         mass = [float(x[self.col_CR[(i, i)]]) for i in range(n)]
         return mass, [float(x[self.col_R[(i, i)]]) for i in range(n)]
 
-    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+    def segments(self, x: Any) -> tuple[Segment, ...]:
         """The plan's segments from a solution vector (``R > 0.5``)."""
         segs = []
         for v in range(self.n):
             nodes = tuple(i for i in range(v + 1) if x[self.col_R[(v, i)]] > 0.5)
             if nodes:
-                segs.append(GraphSegment(nodes))
+                segs.append(Segment(nodes))
         return tuple(segs)
 
 
@@ -766,21 +767,21 @@ class RunModel(_Model):
     def fractions(self, x: Any) -> tuple[list[float], list[float]]:
         return [float(x[c]) for c in self.col_r], [float(x[c]) for c in self.col_e]
 
-    def segments(self, x: Any) -> tuple[GraphSegment, ...]:
+    def segments(self, x: Any) -> tuple[Segment, ...]:
         """The plan's segments from a solution vector: runs of ``r``, cut after each ``e``."""
-        segs: list[GraphSegment] = []
+        segs: list[Segment] = []
         run: list[int] = []
         for i in range(self.n):
             if x[self.col_r[i]] > 0.5:
                 run.append(i)
                 if x[self.col_e[i]] > 0.5:
-                    segs.append(GraphSegment(tuple(run)))
+                    segs.append(Segment(tuple(run)))
                     run = []
             elif run:
-                segs.append(GraphSegment(tuple(run)))
+                segs.append(Segment(tuple(run)))
                 run = []
         if run:
-            segs.append(GraphSegment(tuple(run)))
+            segs.append(Segment(tuple(run)))
         return tuple(segs)
 
 
@@ -819,7 +820,7 @@ def backward_floor(graph: Graph) -> tuple[int, int | None]:
     return best
 
 
-def _least_plan(graph: Graph, config: MilpConfig) -> tuple[GraphPlan | None, str]:
+def _least_plan(graph: Graph, config: MilpConfig) -> tuple[Plan | None, str]:
     """The MILP's plan of least peak (or the best found in the time), and the solver status.
     Its peak is the simulator's: the MILP counts a constant read by recomputed nodes as an
     upper bound, so it may price this plan a little above what the simulator names."""
@@ -827,10 +828,10 @@ def _least_plan(graph: Graph, config: MilpConfig) -> tuple[GraphPlan | None, str
     sol = model.solve(None, integral=True, time_limit_s=config.time_limit_s)
     if sol["x"] is None:
         return None, sol["status"]
-    return GraphPlan(model.segments(sol["x"])), sol["status"]
+    return Plan(model.segments(sol["x"])), sol["status"]
 
 
-def _too_small(graph: Graph, budget: int, config: MilpConfig, why: str, fallback: int) -> GraphPlan:
+def _too_small(graph: Graph, budget: int, config: MilpConfig, why: str, fallback: int) -> Plan:
     """The MILP's least plan when it meets ``budget`` in simulation (the budget the error
     names is then accepted, even where the MILP's own model prices that plan above it);
     otherwise :class:`BudgetTooSmallError` naming its simulated peak."""
@@ -838,7 +839,7 @@ def _too_small(graph: Graph, budget: int, config: MilpConfig, why: str, fallback
     peak = simulate_graph(graph, least).peak_bytes if least is not None else None
     if least is not None and peak is not None and peak <= budget:
         params = {"status": status, "least_peak": True, "time_limit_s": config.time_limit_s}
-        return GraphPlan(least.segments, method="checkmate-milp", params=params)
+        return Plan(least.segments, method="checkmate-milp", params=params)
     raise BudgetTooSmallError(
         budget,
         peak if peak is not None else fallback,
@@ -847,7 +848,7 @@ def _too_small(graph: Graph, budget: int, config: MilpConfig, why: str, fallback
     )
 
 
-def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
+def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> Plan:
     floor = backward_floor(graph)[0]
     if budget < floor:
         return _too_small(
@@ -866,7 +867,7 @@ def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
                 f"checkmate-milp found no plan within time_limit_s={config.time_limit_s} "
                 f"({sol['message']}); raise the limit, or use 'checkmate-lp' or 'articulation'"
             )
-        plan = GraphPlan(model.segments(sol["x"]))
+        plan = Plan(model.segments(sol["x"]))
         peak = simulate_graph(graph, plan).peak_bytes
         if peak <= budget:
             break
@@ -884,10 +885,10 @@ def _solve_exact(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
         "columns": sol["columns"],
         "milp_peak_bytes": model.milp_peak_bytes(sol["x"]),
     }
-    return GraphPlan(plan.segments, method="checkmate-milp", params=params)
+    return Plan(plan.segments, method="checkmate-milp", params=params)
 
 
-def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
+def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> Plan:
     """Checkmate's approximation: LP at a fraction of the budget, threshold rounding.
 
     When no rounding fits, the LP is solved again at a tighter budget (x 0.85 each time, down
@@ -922,10 +923,10 @@ def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
                 "roundings": len(candidates),
                 "solve_seconds": round(sol["seconds"], 3),
             }
-            return GraphPlan(best[1].segments, method="checkmate-lp", params=params)
+            return Plan(best[1].segments, method="checkmate-lp", params=params)
         fraction *= 0.85
     if lowest is None:
-        lowest = simulate_graph(graph, GraphPlan.from_segments([range(graph.n)])).peak_bytes
+        lowest = simulate_graph(graph, Plan.from_segments([range(graph.n)])).peak_bytes
     raise BudgetTooSmallError(
         budget,
         max(lowest, budget + 1),
@@ -935,7 +936,7 @@ def _round_lp(graph: Graph, budget: int, config: MilpConfig) -> GraphPlan:
     )
 
 
-def _roundings(model: _Model, x: Any, rng: random.Random, random_roundings: int) -> list[GraphPlan]:
+def _roundings(model: _Model, x: Any, rng: random.Random, random_roundings: int) -> list[Plan]:
     """Threshold roundings of an LP solution: recompute the nodes whose LP recomputation is at
     least the threshold; segments are their runs, cut where the LP ends a segment by at least
     a second threshold (1.01: never cut; 0: every node alone)."""
@@ -943,7 +944,7 @@ def _roundings(model: _Model, x: Any, rng: random.Random, random_roundings: int)
     mass, ends = model.fractions(x)
     thresholds = [k / 10 for k in range(1, 10)]
     thresholds += [min(1.0, max(0.0, rng.gauss(0.5, 0.5))) for _ in range(random_roundings)]
-    candidates: dict[tuple[tuple[int, ...], ...], GraphPlan] = {}
+    candidates: dict[tuple[tuple[int, ...], ...], Plan] = {}
     for theta in thresholds:
         chosen = [i for i in range(n) if mass[i] >= theta and mass[i] > 1e-9]
         for cut in (1.01, 0.5, 0.25, 0.1, 0.01, 0.0):
@@ -954,5 +955,5 @@ def _roundings(model: _Model, x: Any, rng: random.Random, random_roundings: int)
                 else:
                     runs.append([i])
             key = tuple(tuple(r) for r in runs)
-            candidates.setdefault(key, GraphPlan.from_segments(runs))
+            candidates.setdefault(key, Plan.from_segments(runs))
     return list(candidates.values())

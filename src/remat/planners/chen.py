@@ -72,7 +72,7 @@ from dataclasses import replace
 
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.planners.registry import BudgetTooSmallError, register
 
 __all__ = ["plan_chen_sqrt", "plan_chen_budget", "plan_chen_recursive", "greedy_checkpoints"]
@@ -143,7 +143,9 @@ def plan_chen_recursive(chain: Chain, budget: int | None = None) -> Plan:
     ``log2 n`` of them along the right spine) plus those of the nested levels give the
     ``log2 n + O(1)`` activations of ``g(n) = 1 + g(n/2)``.
     """
-    plan = Plan(_halves(1, chain.n), method="chen-recursive", params={"split": "halves"})
+    plan = Plan.from_chain_segments(
+        _halves(1, chain.n), method="chen-recursive", params={"split": "halves"}
+    )
     return _check_budget(chain, plan, budget)
 
 
@@ -170,11 +172,11 @@ def greedy_checkpoints(chain: Chain, segment_budget: int) -> tuple[list[int], in
     return kept, x, y
 
 
-def _halves(lo: int, hi: int) -> tuple[Segment, ...]:
+def _halves(lo: int, hi: int) -> tuple[ChainSegment, ...]:
     if lo == hi:
-        return (Segment(lo, lo),)
+        return (ChainSegment(lo, lo),)
     mid = (lo + hi - 1) // 2
-    return (Segment(lo, mid, True, _halves(lo, mid)), *_halves(mid + 1, hi))
+    return (ChainSegment(lo, mid, True, _halves(lo, mid)), *_halves(mid + 1, hi))
 
 
 def _check_budget(chain: Chain, plan: Plan, budget: int | None) -> Plan:

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from remat.core.chain import Chain
-from remat.core.plan import Plan, Segment
+from remat.core.plan import ChainSegment, Plan
 from remat.planners.registry import BudgetTooSmallError, grid_candidates, plan_chain, register
 
 __all__ = [
@@ -130,7 +130,7 @@ def sweep(chain: Chain, budgets: Iterable[int | None]) -> list[Plan | None]:
     budgets = list(budgets)
     model = _Model(chain)
     floor = model.input + int(model.min_peak()[1, model.N])
-    store_all = Plan.none(chain).segments
+    store_all = Plan.none(chain).chain_segments()
     store_all_peak = model.input + model.plan_peak(store_all)
     # One table serves budgets down to half its own (its cells are budget / GRID_CELLS bytes);
     # what the search proves is kept across tables.
@@ -182,7 +182,7 @@ def predicted_cost(chain: Chain, plan: Plan) -> tuple[int, float]:
     It equals ``simulate(chain, plan)``'s ``peak_bytes`` and ``total_time`` for every plan.
     """
     model = _Model(chain)
-    segments = plan.for_chain(chain).segments
+    segments = plan.chain_segments(chain)
     return model.input + model.plan_peak(segments), model.plan_time(segments)
 
 
@@ -236,7 +236,7 @@ class _Model:
         return self._store_need[s][t]
 
     # ------------------------------------------------------------ the recurrence on a plan
-    def plan_peak(self, segments: Sequence[Segment]) -> int:
+    def plan_peak(self, segments: Sequence[ChainSegment]) -> int:
         """Peak above the input of a whole plan (the virtual loss stage appended)."""
         return self._sequence_peak([*_items(segments), (self.N, self.N, None)], self.N)
 
@@ -259,7 +259,7 @@ class _Model:
         assert rest is not None
         return rest
 
-    def plan_time(self, segments: Sequence[Segment]) -> float:
+    def plan_time(self, segments: Sequence[ChainSegment]) -> float:
         total = 0.0
         for seg in segments:
             if seg.checkpoint:
@@ -277,13 +277,13 @@ class _Model:
             self._least_peak = self._peak_dp(zero_recompute=False)
         return self._least_peak[0]
 
-    def min_peak_plan(self) -> list[Segment]:
+    def min_peak_plan(self) -> list[ChainSegment]:
         self.min_peak()
         assert self._least_peak is not None
         choice = self._least_peak[1]
         return _choice_segments(self, lambda s, t: int(choice[s, t]))
 
-    def least_memory_at_least_time(self) -> list[Segment]:
+    def least_memory_at_least_time(self) -> list[ChainSegment]:
         """The least-peak plan among those without recomputation time (it may checkpoint only
         stages whose forward time is 0)."""
         choice = self._peak_dp(zero_recompute=True)[1]
@@ -333,20 +333,20 @@ class _Model:
         return peak, choice
 
     # ------------------------------------------------------------ reference plans, result
-    def references(self) -> Iterator[Sequence[Segment]]:
+    def references(self) -> Iterator[Sequence[ChainSegment]]:
         """Plans other planners make: every stage, the least-peak plan, and the flat plans of
         1..3*sqrt(n) equal segments (Chen et al.'s sqrt(n) plan among them)."""
-        yield Plan.every_stage(self.n).segments
+        yield Plan.every_stage(self.n).chain_segments()
         yield self.min_peak_plan()
         for count in range(1, min(self.n, 3 * math.isqrt(self.n) + 3) + 1):
             kept = sorted({round(k * self.n / count) for k in range(1, count)} - {0, self.n})
             for store_last in (False, True):
-                yield Plan.from_checkpoints(self.n, kept, store_last).segments
+                yield Plan.from_checkpoints(self.n, kept, store_last).chain_segments()
 
     def fastest_fitting(
-        self, candidates: Iterable[Sequence[Segment]], budget: int
-    ) -> Sequence[Segment]:
-        best: tuple[float, Sequence[Segment]] | None = None
+        self, candidates: Iterable[Sequence[ChainSegment]], budget: int
+    ) -> Sequence[ChainSegment]:
+        best: tuple[float, Sequence[ChainSegment]] | None = None
         for segments in candidates:
             if self.input + self.plan_peak(segments) <= budget:
                 time = self.plan_time(segments)
@@ -356,13 +356,13 @@ class _Model:
         return best[1]
 
     def finish(
-        self, segments: Sequence[Segment], budget: int | None, params: dict[str, object]
+        self, segments: Sequence[ChainSegment], budget: int | None, params: dict[str, object]
     ) -> Plan:
         peak = self.input + self.plan_peak(segments)
         if budget is not None:
             assert peak <= budget, (peak, budget)
             params = {"budget_bytes": int(budget), **params}
-        return Plan(
+        return Plan.from_chain_segments(
             tuple(segments),
             method=METHOD,
             params=params,
@@ -371,11 +371,11 @@ class _Model:
         ).made_for(self.chain)
 
 
-_Item = tuple[int, int, "tuple[Segment, ...] | None"]
+_Item = tuple[int, int, "tuple[ChainSegment, ...] | None"]
 """A stored stage ``(i, i, None)`` or a checkpointed segment ``(start, stop, children)``."""
 
 
-def _items(segments: Sequence[Segment]) -> list[_Item]:
+def _items(segments: Sequence[ChainSegment]) -> list[_Item]:
     items: list[_Item] = []
     for seg in segments:
         if seg.checkpoint:
@@ -385,32 +385,32 @@ def _items(segments: Sequence[Segment]) -> list[_Item]:
     return items
 
 
-def _choice_segments(model: _Model, choose: Callable[[int, int], int]) -> list[Segment]:
+def _choice_segments(model: _Model, choose: Callable[[int, int], int]) -> list[ChainSegment]:
     """The whole plan described by ``choose(s, t)`` (0: store ``s``; j: checkpoint s..j-1)."""
 
-    def build(s: int, t: int) -> list[Segment]:
-        out: list[Segment] = []
+    def build(s: int, t: int) -> list[ChainSegment]:
+        out: list[ChainSegment] = []
         while s <= t:
             j = choose(s, t)
             if j == 0:
                 _append_stored(out, s, model.n)
                 s += 1
             else:
-                out.append(Segment(s, j - 1, True, tuple(build(s, j - 1))))
+                out.append(ChainSegment(s, j - 1, True, tuple(build(s, j - 1))))
                 s = j
         return out
 
     return build(1, model.N)
 
 
-def _append_stored(out: list[Segment], stage: int, n: int) -> None:
+def _append_stored(out: list[ChainSegment], stage: int, n: int) -> None:
     """Store ``stage`` (merged with a stored segment just before it); stage n+1 is virtual."""
     if stage > n:
         return
     if out and not out[-1].checkpoint:
-        out[-1] = Segment(out[-1].start, stage)
+        out[-1] = ChainSegment(out[-1].start, stage)
     else:
-        out.append(Segment(stage, stage))
+        out.append(ChainSegment(stage, stage))
 
 
 class _TimeTable:
@@ -601,7 +601,7 @@ class _Search:
         self._rounded_up: _Search | None = None
         self._checkpoint_cache: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
 
-    def plan(self, top: int) -> tuple[list[Segment], float]:
+    def plan(self, top: int) -> tuple[list[ChainSegment], float]:
         """The plan for the whole chain within ``top`` bytes above the input, and a proven
         lower bound on the least time (the plan's own time when the proof completed).
 
@@ -621,7 +621,7 @@ class _Search:
         assert node is not None
         return _node_segments(md, node), min(lower, node[1])
 
-    def rounded_up_plan(self, budget: int) -> list[Segment] | None:
+    def rounded_up_plan(self, budget: int) -> list[ChainSegment] | None:
         """The optimal plan of the chain with every size rounded *up* to whole cells of
         ``q`` bytes, within ``budget // q`` cells: it truly fits ``budget`` (each sum of sizes
         is at most ``q`` times its rounded sum). A second opinion when the proof stopped short:
@@ -794,11 +794,11 @@ class _Search:
         return data
 
 
-def _node_segments(model: _Model, node: _Node) -> list[Segment]:
+def _node_segments(model: _Model, node: _Node) -> list[ChainSegment]:
     """The segments of a solved whole-chain problem ``1..N``."""
 
-    def build(node: _Node | None, s: int, t: int) -> list[Segment]:
-        out: list[Segment] = []
+    def build(node: _Node | None, s: int, t: int) -> list[ChainSegment]:
+        out: list[ChainSegment] = []
         while s <= t:
             assert node is not None
             _, _, j, rest, inner = node
@@ -806,7 +806,7 @@ def _node_segments(model: _Model, node: _Node) -> list[Segment]:
                 _append_stored(out, s, model.n)
                 s += 1
             else:
-                out.append(Segment(s, j - 1, True, tuple(build(inner, s, j - 1))))
+                out.append(ChainSegment(s, j - 1, True, tuple(build(inner, s, j - 1))))
                 s = j
             node = rest
         return out

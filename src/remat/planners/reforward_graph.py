@@ -31,7 +31,7 @@ the case ``saved_bytes == out_bytes``); the sinks are outputs, always kept and n
 
 **Guarantee.** Exact for their cost model (the paper's theorem; checked here against brute
 force over all checkpoint subsets in ``tests/test_graph_planners.py``). The plan executed is
-:meth:`GraphPlan.from_checkpoints`: kept single-input vertices close the segment of their
+:meth:`Plan.from_kept`: kept single-input vertices close the segment of their
 input, kept multi-input vertices (their "transitions") are stored.
 
 **What remat adds.** ``gc(m)`` is monotone in ``m``, so the minimum is found by bisection over
@@ -69,7 +69,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
+from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
 from remat.planners.registry import BudgetTooSmallError, register
 
@@ -94,7 +94,7 @@ class ReforwardConfig:
 
 
 @register("reforward", plans="graph")
-def plan_reforward(graph: Graph, budget: int | None = None, **options: object) -> GraphPlan:
+def plan_reforward(graph: Graph, budget: int | None = None, **options: object) -> Plan:
     """Feng & Huang's optimal checkpoint set (see the module docstring)."""
     config = ReforwardConfig(**options)  # type: ignore[arg-type]
     feng = FengGraph(graph)
@@ -103,7 +103,7 @@ def plan_reforward(graph: Graph, budget: int | None = None, **options: object) -
     best_feng = candidates[0][0] + candidates[0][1]
     rows = []
     for gc, m, kept in candidates[: config.max_candidates]:
-        plan = GraphPlan.from_checkpoints(graph, kept)
+        plan = Plan.from_kept(graph, kept)
         sim = simulate_graph(graph, plan)
         rows.append((sim.peak_bytes, sim.total_time, gc + m, m, kept, plan))
     if budget is not None:
@@ -131,7 +131,7 @@ def plan_reforward(graph: Graph, budget: int | None = None, **options: object) -
         "candidates_simulated": len(rows),
         "division": tree.summary(),
     }
-    return GraphPlan(plan.segments, method="reforward", params=params)
+    return Plan(plan.segments, method="reforward", params=params)
 
 
 def feng_cost(graph: Graph, kept: Iterable[int]) -> int:

@@ -11,7 +11,7 @@ such as :func:`remat.auto`'s whole-step budget). :func:`register` files it under
 kind (:data:`KINDS`): what it plans, a chain or a graph. One name may hold one planner of each
 kind (``none``, ``reforward``): a :class:`PlannerEntry`. A name with only a chain planner also
 plans a path graph (:meth:`Graph.is_chain`): the chain planner on :meth:`Graph.to_chain`, its plan
-carried over by :meth:`GraphPlan.from_chain_plan` (the chain simulator and the interpreter on the
+the same plan (one type for chains and graphs; the chain simulator and the interpreter on the
 path graph agree exactly, tests/test_one_simulator.py, so the stamped plan is the same).
 
 Callers never branch on a planner's name: :func:`plan_chain` / :func:`plan_graph` parse the
@@ -32,11 +32,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from remat.core.chain import Chain
 from remat.core.chain_simulate import simulate
+from remat.core.errors import BUDGET_KINDS, BudgetTooSmallError
 from remat.core.graph import Graph
-from remat.core.graph_plan import GraphPlan
 from remat.core.plan import Plan
 from remat.core.simulate import simulate_graph
-from remat.core.units import format_bytes, resolve_budget
+from remat.core.units import resolve_budget
 
 __all__ = [
     "KINDS",
@@ -67,9 +67,6 @@ __all__ = [
 KINDS = ("chain", "graph")
 """What a planner plans: a :class:`~remat.core.chain.Chain` or a :class:`~remat.core.graph.Graph`."""
 
-BUDGET_KINDS = ("activation", "whole-step")
-"""What a budget bounds: the activation peak (:func:`remat.plan`'s ``activation_budget``) or
-the whole training step (``budget=`` of :func:`remat.auto` and :func:`remat.fit`)."""
 
 _MODULES = (
     "baselines",
@@ -89,7 +86,7 @@ class Planner(Protocol):
     """A planner: ``planner(structure, budget_bytes, **options) -> plan``.
 
     ``structure`` is what the planner's kind says (a chain planner takes a ``Chain`` and
-    returns a ``Plan``, a graph planner a ``Graph`` and a ``GraphPlan``); ``budget_bytes`` the
+    returns a ``Plan``, a graph planner a ``Graph`` and a ``Plan``); ``budget_bytes`` the
     peak the simulator must predict for the plan (``None``: the planner's default); ``options``
     a graph planner's keyword settings (validated by its own config dataclass). Optional, found
     with ``getattr`` (:func:`sweep`, :func:`least_peak`, :func:`candidates`):
@@ -126,38 +123,6 @@ class PlannerEntry:
 
 
 _REGISTRY: dict[str, PlannerEntry] = {}
-
-
-class BudgetTooSmallError(ValueError):
-    """No plan of the chosen planner fits the budget; ``minimum_bytes`` says what would.
-
-    ``kind`` says which budget (:data:`BUDGET_KINDS`): ``"activation"`` (the planners') or
-    ``"whole-step"`` (``remat.auto`` / ``remat.fit``); the message names it."""
-
-    def __init__(
-        self,
-        budget_bytes: int,
-        minimum_bytes: int,
-        method: str,
-        detail: str = "",
-        *,
-        kind: str = "activation",
-    ) -> None:
-        if kind not in BUDGET_KINDS:
-            raise ValueError(f"kind must be one of {BUDGET_KINDS}, got {kind!r}")
-        self.budget_bytes = budget_bytes
-        self.minimum_bytes = minimum_bytes
-        self.method = method
-        self.kind = kind
-        self.detail = detail
-        message = (
-            f"{kind} budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the "
-            f"minimum feasible {kind} peak {format_bytes(minimum_bytes)} ({minimum_bytes} B) for "
-            f"planner {method!r}: raise the budget to at least {minimum_bytes} B"
-        )
-        if detail:
-            message += f" ({detail})"
-        super().__init__(message)
 
 
 def register(
@@ -256,8 +221,14 @@ def _via_chain(graph: Graph, method: str) -> bool:
     )
 
 
-def _on_path(plan: Plan | None, graph: Graph) -> GraphPlan | None:
-    return None if plan is None else GraphPlan.from_chain_plan(plan, graph)
+def _on_path(plan: Plan | None, graph: Graph) -> Plan | None:
+    return None if plan is None else _described_by_nodes(plan)
+
+
+def _described_by_nodes(plan: Plan) -> Plan:
+    """A chain planner's plan of a path graph, made for the graph: the same plan (a chain and
+    its path graph share one fingerprint), described by the graph's nodes."""
+    return replace(plan, chain=False)
 
 
 def plan_chain(
@@ -286,7 +257,7 @@ def plan_graph(
     method: str = "checkmate-milp",
     budget: int | float | str | None = None,
     **options: Any,
-) -> GraphPlan:
+) -> Plan:
     """Plan ``graph`` with the planner ``method`` under a peak-memory ``budget``.
 
     ``budget`` is the peak that :func:`remat.graphs.simulate_graph` predicts (bytes, a string
@@ -304,12 +275,12 @@ def plan_graph(
     ('none', 20)
     """
     if _via_chain(graph, method) and not options:
-        return GraphPlan.from_chain_plan(plan_chain(graph.to_chain(), method, budget), graph)
+        return _described_by_nodes(plan_chain(graph.to_chain(), method, budget))
     budget_bytes = None
     if budget is not None:
         budget_bytes = resolve_budget(
             budget,
-            lambda: simulate_graph(graph, GraphPlan.none()).peak_bytes,
+            lambda: simulate_graph(graph, Plan.none()).peak_bytes,
             "the unplanned peak",
         )
     found = get(method, "graph")(graph, budget_bytes, **options)
@@ -409,12 +380,13 @@ def candidates(chain: Chain, method: str) -> list[Plan]:
 
 def _stamped(structure: Any, method: str, found: Any, budget_bytes: int | None) -> Any:
     """``found`` checked and stamped (:func:`stamp`) with the chain's or graph's fingerprint."""
-    if _kind(structure) == "chain":
-        result = found.for_chain(structure)
-        return stamp(result, simulate(structure, result), method, budget_bytes).made_for(structure)
     result = found.for_graph(structure)
-    sim = simulate_graph(structure, result)
-    return stamp(result, sim, method, budget_bytes, graph_fingerprint=structure.fingerprint)
+    sim = (
+        simulate(structure, result)
+        if _kind(structure) == "chain"
+        else simulate_graph(structure, result)
+    )
+    return stamp(result, sim, method, budget_bytes).made_for(structure)
 
 
 def stamp(result: Any, sim: Any, method: str, budget_bytes: int | None, **fields: Any) -> Any:
