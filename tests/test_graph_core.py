@@ -373,6 +373,7 @@ def test_a_chain_plan_and_its_path_graph_plan_are_one_plan() -> None:
     every = Plan.every_stage().for_chain(chain)
     assert every == Plan.every_stage(chain) and every.describe() == "(1) (2) (3) (4) (5) (6)"
     assert Plan.every_stage(graph).describe() == "{0} {1} {2} {3} {4} {5}"
+    assert Plan.every_stage().made_for(graph) == Plan.every_stage(chain).made_for(graph)
     # stored segments side by side run as one: they come back merged
     split = Plan.from_chain_segments((ChainSegment(1, 2), ChainSegment(3, 6)))
     assert split.chain_segments() == (ChainSegment(1, 6),) and split.segments == ()

@@ -449,9 +449,10 @@ class Plan:
 
     def made_for(self, structure: Chain | Graph) -> Plan:
         """This plan recording ``structure``'s size and fingerprints (its costs, and its model's
-        stages when it was captured from one): what every planner's plan carries."""
+        stages when it was captured from one): what every planner's plan carries (a rule plan
+        expanded for it)."""
         return replace(
-            self,
+            self.for_graph(structure.n) if self.rule else self,
             fingerprint=structure.fingerprint,
             stages_fingerprint=getattr(structure, "stages_fingerprint", "") or None,
             **_size(structure),
