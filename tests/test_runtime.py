@@ -473,6 +473,24 @@ def test_plan_stage_count_mismatch():
         apply(model, Plan.from_checkpoints(5, [2]))
 
 
+def test_a_graphs_plan_is_refused_by_the_chain_executor_even_with_as_many_nodes():
+    """One plan type: a plan made for a module graph names nodes, not stages; with as many
+    nodes as the model has stages it would otherwise run as a stage plan, silently other than
+    planned."""
+    from remat.core.synthetic import random_dag
+    from remat.graphs import plan_graph
+
+    model, (x,), _ = make("mlp-chain")
+    graph = random_dag(12, 3)
+    graph_plan = plan_graph(graph, "reforward")
+    assert graph_plan.n == 12 and graph_plan.segments and not graph_plan.chain
+    with pytest.raises(PlanError, match="made for a graph of 12 nodes.*apply_graph"):
+        apply(model, graph_plan)
+    # the same segments made by hand (no graph recorded) are a stage plan, as any manual plan
+    manual = Plan.from_segments(s.nodes for s in graph_plan.segments if s.is_interval())
+    assert apply(copy.deepcopy(model), manual).plan.n == 12
+
+
 def test_shares_parameters_and_state_dict():
     model, (x,), _ = make("resnet18")
     planned = apply(model, Plan.every_stage())

@@ -709,6 +709,15 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a remat.Plan, got {type(plan).__name__}")
     n = stages.n
+    if plan.fingerprint and not plan.chain:
+        # one plan type: a graph's plan would be read as stage numbers here
+        raise PlanError(
+            f"this plan was made for a graph of {plan.n} nodes (fingerprint "
+            f"{plan.fingerprint}), not for a chain of stages: its segments name nodes, not "
+            "stages; run it on that graph with remat.execute.graph.apply_graph, or make a plan "
+            "of this model's chain with remat.capture_chain(model, batch) and remat.plan (or "
+            "remat.auto)"
+        )
     if plan.n is not None and plan.n != n:
         raise PlanError(
             f"the plan covers {plan.n} stages but the model has {n} stages "
