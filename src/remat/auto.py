@@ -114,7 +114,7 @@ class AutoSummary:
     method: str
     """Planner used."""
     plan: Plan
-    """The plan applied (a :class:`remat.graphs.Plan` when the model is not a chain)."""
+    """The plan applied (its segments name the module graph's nodes when the model is not a chain)."""
     chain: Chain
     """The measured chain the plan was made for (a :class:`remat.graphs.Graph` when the
     model is not a chain)."""

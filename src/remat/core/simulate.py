@@ -3,7 +3,7 @@ chain fast path, equal to it on the path graph event by event: ``tests/test_one_
 
 Two steps, both public so that an executor can be checked against them:
 
-1. :func:`lower_plan` turns a :class:`~remat.core.graph_plan.Plan` into an explicit
+1. :func:`lower_plan` turns a :class:`~remat.core.plan.Plan` into an explicit
    **schedule**: the forward ops, the loss, the backward ops with the recomputations inserted,
    and after each op the tensors it is the last to need (reference counting: a tensor is freed
    as soon as no later forward, recomputation, backward or checkpoint frame needs it).

@@ -1,4 +1,4 @@
-"""Apply a :class:`~remat.core.graph_plan.Plan` to the eager model: :func:`apply_graph`.
+"""Apply a :class:`~remat.core.plan.Plan` to the eager model: :func:`apply_graph`.
 
 The returned :class:`GraphPlannedModule` runs the model's own ``forward`` (eager, Python
 control flow, Hugging Face outputs, hooks: all unchanged) under a ``TorchFunctionMode`` that
