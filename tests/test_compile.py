@@ -16,6 +16,7 @@ eagerly): what a stage saves is decided as under inductor.
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 from typing import Any
 
@@ -30,8 +31,10 @@ from remat.auto import _fit_one_graph, predicted_step_peak_bytes
 from remat.capture.chain import capture
 from remat.core.errors import UnsupportedModelError
 from remat.core.plan import ChainSegment, PlanError
+from remat.execute.chain import as_one_graph, partitioner_budget, with_partitioner_budget
 from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
 
+AUTO = importlib.import_module("remat.auto")  # the module (``remat.auto`` is the function)
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 PARTITIONER = {"backend": "aot_eager_decomp_partition"}
 
@@ -111,7 +114,14 @@ def assert_one_graph_per_stage_at_most(planned: Any) -> None:
     assert breaks == 0 and graphs <= planned.stages.n, (graphs, breaks, planned.stages.n)
 
 
-def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget() -> None:
+@pytest.mark.parametrize("partitioner", [0.5, None])
+def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget(
+    partitioner: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PARTITIONER_TRIAL 0.5 (the default): storing everything as one graph measured over 70 %,
+    # the same at the partitioner's budget 0.5 fits and runs (torch.compile's own point, NOTE
+    # [ The partitioner's budget ]); None: remat's own recomputation runs
+    monkeypatch.setattr(AUTO, "PARTITIONER_TRIAL", partitioner)
     model = mlp()
     reference = copy.deepcopy(model)
     x = torch.randn(256, 64)
@@ -126,7 +136,14 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         )
     # (it warned that the compiled prediction was not exact: no longer)
     assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
-    assert any(True for _ in planned.plan.walk())
+    if partitioner is None:
+        assert any(True for _ in planned.plan.walk())
+        assert partitioner_budget(planned.plan) is None
+    else:
+        assert not any(True for _ in planned.plan.walk())
+        assert partitioner_budget(planned.plan) == partitioner
+        assert summary.compiled_note.startswith("one graph after: [1-8]: ")
+        assert "activation_memory_budget=0.5" in str(summary)
     # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
     # one inductor graph within it, and runs
     assert summary.compiled == "one-graph", summary.compiled_note
@@ -730,6 +747,98 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     assert not got.one_graph and name(got.plan) == "nested" and got.predicted == 50
     got = fit(None, "nested")  # (no budget: nothing to plan a flat plan for)
     assert not got.one_graph and got.over is None and measured == [] and "nests" in got.note
+
+
+def test_fit_one_graph_measures_storing_all_at_both_partitioner_budgets_before_recomputing() -> (
+    None
+):
+    # NOTE [ The partitioner's budget ]: torch.compile's own points (store everything, at
+    # torch's setting and at the partitioner budget 0.5) are measured before remat's first plan
+    # that recomputes a stage, each once and not counted in ONE_GRAPH_TRIALS
+    plans = _plans()
+    plans["all"] = remat.Plan.none(4)
+    plans["all@0.5"] = with_partitioner_budget(remat.Plan.none(4), 0.5)
+    step = {"loose": 95, "mid": 90, "tight": 82, "tighter": 70, "all": 120, "all@0.5": 99}
+    measured: list[str] = []
+
+    def name(p: remat.Plan) -> str:
+        knob = partitioner_budget(p)
+        return next(
+            k
+            for k, v in plans.items()
+            if v.describe() == p.describe() and partitioner_budget(v) == knob
+        )
+
+    def measure(p: remat.Plan) -> int:
+        measured.append(name(p))
+        return step[name(p)]
+
+    def fit(total: int | None, first: str) -> Any:
+        measured.clear()
+        return _fit_one_graph(
+            plans[first],
+            total,
+            lambda b: plans["tight" if b < 100 else "loose"],
+            lambda p: step[name(p)],
+            lambda p: step[name(p)],
+            measure,
+            lambda: [plans[k] for k in ("mid", "tighter")],
+            whole=lambda p, m: m,
+            store_all=[plans["all"], plans["all@0.5"]],
+        )
+
+    # the first plan recomputes: storing all (over) then storing all at 0.5 (fits) first
+    got = fit(100, "loose")
+    assert measured == ["all", "all@0.5"] and got.one_graph and name(got.plan) == "all@0.5"
+    assert partitioner_budget(got.plan) == 0.5 and got.predicted == 99
+    assert "[1-4]: 120 B" in got.note
+    # neither fits: remat's plans next, three of them as before the rivals
+    got = fit(80, "loose")
+    assert measured == ["all", "all@0.5", "loose", "tight", "mid"]
+    assert not got.one_graph and "[1-4] at partitioner budget 0.5: 99 B" in got.note
+    # the first plan stores everything: measured once, then the partitioner's point
+    got = fit(100, "all")
+    assert measured == ["all", "all@0.5"] and name(got.plan) == "all@0.5"
+    # the rivals over, remat's first plan fits: it runs
+    step["loose"], step["all@0.5"] = 85, 101
+    got = fit(100, "loose")
+    assert measured == ["all", "all@0.5", "loose"] and name(got.plan) == "loose"
+    # no budget: the plan as it comes
+    got = fit(None, "loose")
+    assert measured == ["loose"] and name(got.plan) == "loose"
+
+
+def test_one_graph_runs_at_its_partitioner_budget() -> None:
+    # a one-graph plan's partitioner budget is the activation_memory_budget its graph is
+    # partitioned with: the same store-all plan saves less at 0.5 (GELU recomputed from the
+    # first Linear's output instead of saved), with the gradients of eager
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[m for _ in range(3) for m in (nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))]
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(512, 64)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    peaks = {}
+    for knob in (None, 0.5):
+        torch._dynamo.reset()
+        plan = with_partitioner_budget(as_one_graph(remat.Plan.none(9)), knob)
+        planned = remat.apply(model, plan, compile=PARTITIONER)
+        assert planned._executor.compiled_step is not None
+        loss(planned, x).backward()
+        loss(reference, x).backward()
+        assert_equal_grads(model, reference)
+        peaks[knob] = step_peak_bytes(step_of(planned, loss, x), model, None, x)
+    assert peaks[0.5] < peaks[None], peaks
+    # not one graph: no partitioner budget; and a budget must be a fraction
+    plan = with_partitioner_budget(as_one_graph(remat.Plan.none(9)), 0.5)
+    assert partitioner_budget(as_one_graph(plan, False)) is None
+    assert partitioner_budget(remat.Plan.from_json(plan.to_json())) == 0.5
+    with pytest.raises(PlanError, match="activation_memory_budget takes 0 to 1"):
+        with_partitioner_budget(plan, 2.0)
 
 
 def test_each_one_graph_plan_of_a_process_is_compiled_past_dynamos_recompile_limit() -> None:

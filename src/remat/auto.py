@@ -58,9 +58,12 @@ from remat.execute.chain import (
     as_one_graph,
     call_loss,
     compile_options,
+    describe_compiled,
     input_signature,
+    partitioner_budget,
     replanning_state,
     step_state,
+    with_partitioner_budget,
 )
 from remat.execute.graph import apply_graph
 from remat.graphs import graph_step_peak, simulate_graph
@@ -249,6 +252,12 @@ class AutoSummary:
                 f"one graph (its step measured: {format_bytes(abs(over))} {where} the stages' "
                 "prediction, counted on the forward and backward)"
             )
+            knob = partitioner_budget(self.plan)
+            if knob is not None:
+                text += (
+                    f", compiled with the partitioner's activation_memory_budget={knob:g} "
+                    "(its own recomputation)"
+                )
             if self.compiled_note:
                 text += f"; {self.compiled_note}"
         else:
@@ -970,7 +979,7 @@ def _auto(
         trials: dict[str, nn.Module] = {}
 
         def measure_first(p: Plan) -> int:
-            trials[p.describe()] = trial = build(as_one_graph(p))
+            trials[describe_compiled(p)] = trial = build(as_one_graph(p))
             return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
 
         if refused is not None:
@@ -978,7 +987,7 @@ def _auto(
         else:
             fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
         chosen = fit.plan
-        planned = trials.get(chosen.describe()) if fit.one_graph else None
+        planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
     else:
         planned = build(chosen)
@@ -1120,6 +1129,7 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
+            store_all=_store_all_trials(new.chain),
         )
 
     def baseline(
@@ -1164,18 +1174,20 @@ class _StepModel:
         One graph can hold less than its stages compiled alone (the partitioner recomputes
         across stages what they saved: GPT-2 124M on an H100, 5,398,799,872 B measured where
         the stages' least was 6,631,674,904 B), so below the chain's least :func:`auto` measures
-        the least-memory plans as one graph (:func:`_least_plans`, at most
-        :data:`ONE_GRAPH_TRIALS`, whatever the budget: the minimum named does not depend on it)
-        and runs the fastest whose whole step (:meth:`whole`) fits. None fits: the
+        as one graph the store-all plan at the partitioner budget :data:`PARTITIONER_TRIAL`
+        (NOTE [ The partitioner's budget ]) and the least-memory plans (:func:`_least_plans`,
+        at most :data:`ONE_GRAPH_TRIALS`), whatever the budget (the minimum named does not
+        depend on it), and runs the fastest (by the chain's times) whose whole step
+        (:meth:`whole`) fits. None fits: the
         :class:`~remat.planners.BudgetTooSmallError` names the least of the chain's and theirs,
         a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        for p in _least_plans(new.chain, self.method):
+        for p in _partitioner_trials(new.chain) + _least_plans(new.chain, self.method):
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
-        shown = "; ".join(f"{p.describe()}: {w:,} B" for p, w, _ in results)
+        shown = "; ".join(f"{describe_compiled(p)}: {w:,} B" for p, w, _ in results)
         fitting = [r for r in results if r[1] <= total]
         if fitting:
             p, whole, over = min(fitting, key=lambda r: simulate(new.chain, r[0]).total_time)
@@ -1196,6 +1208,12 @@ class _StepModel:
 
 
 ONE_GRAPH_TRIALS = 3
+PARTITIONER_TRIAL: float | None = 0.5
+"""The partitioner budget (torch's ``activation_memory_budget``) :func:`auto` (``compile=``)
+measures the store-all one graph at, after storing all at torch's setting and before any plan
+that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain); None: not
+tried (remat's plans only). torch.compile's least peak on the bench's models was at 0.5, or
+within 2 % of it (docs/results/compile)."""
 """How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
 graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
 CANDIDATE_BUDGETS = 12
@@ -1235,6 +1253,7 @@ def _fit_one_graph(
     candidates: Callable[[], Sequence[Plan]] = tuple,
     *,
     whole: Callable[[Plan, int], int],
+    store_all: Sequence[Plan] = (),
 ) -> _OneGraphFit:
     """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
 
@@ -1253,25 +1272,43 @@ def _fit_one_graph(
     cannot run it: the partitioner keeps the outer segment's activations) is not tried; a
     nested ``first`` is replaced by ``plan_at(total)``, which :func:`auto` makes flat, or where
     there is none (the budget below the flat planner's least) by the first flat candidate
-    (:func:`auto`'s end with the least-memory plans, :func:`_least_plans`). If none
-    fits the first plan runs a graph per stage, as the chain predicts it (``predicted(plan)``),
-    and the note says what was measured."""
+    (:func:`auto`'s end with the least-memory plans, :func:`_least_plans`). With a budget,
+    the ``store_all`` plans (:func:`auto`: storing every stage at torch's partitioner budget,
+    then at :data:`PARTITIONER_TRIAL`: torch.compile's own points, NOTE [ The partitioner's
+    budget ]) are measured in turn before the first plan that recomputes a stage, each once
+    and not counted in the trials, and the first that fits runs. If none fits the first plan
+    runs a graph per stage, as the chain predicts it (``predicted(plan)``), and the note says
+    what was measured."""
     tried: list[str] = []
     seen: set[str] = set()
     first_over: int | None = None
     pool: list[Plan] | None = None
     plan: Plan | None = first
+    # torch.compile's own points, tried once before a plan that recomputes stages
+    rivals = list(store_all) if total is not None else []
+    measured_rivals = 0
     if _nested(first) and total is not None:
         plan = _planned(plan_at, total)
         if plan is None:
             tried.append(f"{first.describe()} nests checkpoints, no flat plan for the budget")
             pool = list(candidates())
             plan = next((p for p in pool if not _nested(p)), None)
-    while plan is not None and len(seen) < ONE_GRAPH_TRIALS:
+    while plan is not None and len(seen) - measured_rivals < ONE_GRAPH_TRIALS:
         if _nested(plan):
             tried.append(f"{plan.describe()} nests checkpoints")
             break
-        seen.add(plan.describe())
+        if rivals and _recomputes(plan):
+            # store everything first, then the partitioner's own recomputation (NOTE [ The
+            # partitioner's budget ])
+            assert total is not None
+            for rival in (r for r in rivals if describe_compiled(r) not in seen):
+                seen.add(describe_compiled(rival))
+                measured_rivals += 1
+                fit = _rival_trial(rival, total, baseline, measure, whole, tried)
+                if fit is not None:
+                    return fit
+            rivals = []
+        seen.add(describe_compiled(plan))
         measured = measure(plan)
         over = measured - baseline(plan)
         first_over = over if first_over is None else first_over
@@ -1279,16 +1316,58 @@ def _fit_one_graph(
         if total is None or step <= total:
             note = "one graph after: " + "; ".join(tried) if tried else ""
             return _OneGraphFit(as_one_graph(plan), step, over, note)
-        tried.append(f"{plan.describe()}: {step:,} B ({over:,} B measured above the stages)")
+        tried.append(
+            f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)"
+        )
         plan = _planned(plan_at, total - (step - total))
-        if plan is None or plan.describe() in seen or _nested(plan):
+        if plan is None or describe_compiled(plan) in seen or _nested(plan):
             if pool is None:
                 pool = list(candidates())
-            plan = next((p for p in pool if p.describe() not in seen and not _nested(p)), None)
+            plan = next(
+                (p for p in pool if describe_compiled(p) not in seen and not _nested(p)), None
+            )
     if plan is None and tried:
         tried.append("no other plan")
     note = "one graph over the budget: " + "; ".join(tried) if tried else ""
     return _OneGraphFit(first, predicted(first), first_over, note)
+
+
+def _rival_trial(
+    plan: Plan,
+    total: int,
+    baseline: Callable[[Plan], int],
+    measure: Callable[[Plan], int],
+    whole: Callable[[Plan, int], int],
+    tried: list[str],
+) -> _OneGraphFit | None:
+    """:func:`_fit_one_graph`'s trial of a store-all ``plan``: the fit where its measured whole
+    step is within ``total``, else None and ``tried`` says what it measured."""
+    measured = measure(plan)
+    over = measured - baseline(plan)
+    step = whole(plan, measured)
+    if step <= total:
+        note = "one graph after: " + "; ".join(tried) if tried else ""
+        return _OneGraphFit(as_one_graph(plan), step, over, note)
+    tried.append(f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)")
+    return None
+
+
+def _store_all_trials(chain: Chain) -> list[Plan]:
+    """The store-all plans a one-graph fit measures before recomputing stages: at torch's
+    partitioner budget, then at :data:`PARTITIONER_TRIAL`."""
+    return [Plan.none(chain), *_partitioner_trials(chain)]
+
+
+def _partitioner_trials(chain: Chain) -> list[Plan]:
+    """The store-all plan at :data:`PARTITIONER_TRIAL` (none where it is None)."""
+    if PARTITIONER_TRIAL is None:
+        return []
+    return [with_partitioner_budget(Plan.none(chain), PARTITIONER_TRIAL)]
+
+
+def _recomputes(plan: Plan) -> bool:
+    """Whether ``plan`` recomputes a stage (a checkpointed segment or the every-stage rule)."""
+    return plan.rule is not None or any(s.checkpoint for s in plan.chain_segments())
 
 
 def _least_plans(chain: Chain, method: str) -> list[Plan]:

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -40,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch._functorch.config as _functorch_config
 from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -64,6 +66,9 @@ from remat.measure.profile import loss_from_output
 __all__ = [
     "apply",
     "as_one_graph",
+    "describe_compiled",
+    "partitioner_budget",
+    "with_partitioner_budget",
     "PlannedModule",
     "SignatureMismatchError",
     "InPlaceInputError",
@@ -620,7 +625,15 @@ class _Executor:
         # buffer updates out of recomputations too); without this, a balanced one such as
         # transformers' mask code entering a TorchFunctionMode breaks the graph at the
         # checkpoint and dynamo runs the whole executor loop eagerly.
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        knob = partitioner_budget(self.plan)
+        with (
+            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True),
+            # NOTE [ The partitioner's budget ]: patched on every call, not only the first,
+            # so that a recompilation dynamo makes later partitions at the same budget
+            _functorch_config.patch(activation_memory_budget=knob)
+            if knob is not None
+            else contextlib.nullcontext(),
+        ):
             if self._compiled_once:
                 return self.compiled_step(args, kwargs)
             from torch._dynamo.utils import counters
@@ -662,12 +675,59 @@ def one_graph_plan(plan: Plan) -> bool:
     return plan.params.get("compiled") == ONE_GRAPH and plan.depth() <= 1
 
 
+PARTITIONER_BUDGET = "partitioner_budget"
+"""``Plan.params[PARTITIONER_BUDGET]``: the ``activation_memory_budget`` (0 to 1) inductor's
+partitioner compiles a one-graph plan's stored stages with (NOTE [ The partitioner's budget ]);
+absent: torch's setting (1 by default)."""
+
+
+# NOTE [ The partitioner's budget ]: torch.compile's own memory lever is the min-cut
+# partitioner's ``torch._functorch.config.activation_memory_budget``: below 1 it recomputes in
+# the backward the ops its runtime estimate calls cheapest (pointwise ops before matmuls) until
+# what the forward saves is at most that fraction of what it saved at 1. It is relative and not
+# monotone in bytes (GPT-2 tiny on the CPU: 27.34 MiB at 1, 22.06 MiB at 0.5, 27.83 MiB at 0.2),
+# so remat does not plan with it: a one-graph plan may carry a value
+# (:func:`with_partitioner_budget`), the executor compiles and runs its one graph with it, and
+# remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIAL:
+# the store-all plan at 0.5, tried before any plan that recomputes stages). Only with no
+# checkpointed segment: under remat's checkpoints the budget raised GPT-2's peak by 1.2-2.2 MB
+# (docs/results/compile/knob).
+def partitioner_budget(plan: Plan) -> float | None:
+    """The partitioner budget a one-graph ``plan`` compiles with (None: torch's setting)."""
+    value = plan.params.get(PARTITIONER_BUDGET)
+    return None if value is None else float(value)
+
+
+def describe_compiled(plan: Plan) -> str:
+    """``plan.describe()``, with its partitioner budget when it has one."""
+    knob = partitioner_budget(plan)
+    return plan.describe() + ("" if knob is None else f" at partitioner budget {knob:g}")
+
+
+def with_partitioner_budget(plan: Plan, budget: float | None) -> Plan:
+    """``plan`` to be compiled as one graph with inductor's partitioner at
+    ``activation_memory_budget=budget`` (None: torch's setting); NOTE [ The partitioner's
+    budget ]. :class:`PlanError` outside 0..1."""
+    params = {k: v for k, v in plan.params.items() if k != PARTITIONER_BUDGET}
+    if budget is not None:
+        if not 0.0 <= float(budget) <= 1.0:
+            raise PlanError(
+                f"partitioner budget {budget!r} is not a fraction: torch's "
+                "activation_memory_budget takes 0 to 1"
+            )
+        params[PARTITIONER_BUDGET] = float(budget)
+    return dataclasses.replace(plan, params=params)
+
+
 def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
-    """``plan`` marked to run compiled as one graph (or, with ``one_graph=False``, not);
-    :class:`PlanError` for a nested plan (NOTE [ One compiled graph ])."""
+    """``plan`` marked to run compiled as one graph (or, with ``one_graph=False``, not, and
+    without a partitioner budget); :class:`PlanError` for a nested plan (NOTE [ One compiled
+    graph ])."""
     params = {k: v for k, v in plan.params.items() if k != "compiled"}
     if one_graph:
         params["compiled"] = ONE_GRAPH
+    else:
+        params.pop(PARTITIONER_BUDGET, None)
     marked = dataclasses.replace(plan, params=params)
     if one_graph and not one_graph_plan(marked):
         raise PlanError(
