@@ -1319,7 +1319,8 @@ def _fit_one_graph(
         tried.append(
             f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)"
         )
-        plan = _planned(plan_at, total - (step - total))
+        # (a plan measured over twice the budget leaves no budget to lower to: the candidates)
+        plan = _planned(plan_at, max(0, total - (step - total)))
         if plan is None or describe_compiled(plan) in seen or _nested(plan):
             if pool is None:
                 pool = list(candidates())
