@@ -114,14 +114,14 @@ def assert_one_graph_per_stage_at_most(planned: Any) -> None:
     assert breaks == 0 and graphs <= planned.stages.n, (graphs, breaks, planned.stages.n)
 
 
-@pytest.mark.parametrize("partitioner", [0.5, None])
+@pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
 def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget(
-    partitioner: float | None, monkeypatch: pytest.MonkeyPatch
+    partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # PARTITIONER_TRIAL 0.5 (the default): storing everything as one graph measured over 70 %,
-    # the same at the partitioner's budget 0.5 fits and runs (torch.compile's own point, NOTE
-    # [ The partitioner's budget ]); None: remat's own recomputation runs
-    monkeypatch.setattr(AUTO, "PARTITIONER_TRIAL", partitioner)
+    # PARTITIONER_TRIALS (0.5, 0.2, 0.1), the default: storing everything as one graph measured
+    # over 70 %, the same at the partitioner's budget 0.5 fits and runs (torch.compile's own
+    # point, NOTE [ The partitioner's budget ]); none: remat's own recomputation runs
+    monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", partitioner)
     model = mlp()
     reference = copy.deepcopy(model)
     x = torch.randn(256, 64)
@@ -136,12 +136,12 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         )
     # (it warned that the compiled prediction was not exact: no longer)
     assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
-    if partitioner is None:
+    if not partitioner:
         assert any(True for _ in planned.plan.walk())
         assert partitioner_budget(planned.plan) is None
     else:
         assert not any(True for _ in planned.plan.walk())
-        assert partitioner_budget(planned.plan) == partitioner
+        assert partitioner_budget(planned.plan) == 0.5
         assert summary.compiled_note.startswith("one graph after: [1-8]: ")
         assert "activation_memory_budget=0.5" in str(summary)
     # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
@@ -251,14 +251,24 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph:
         torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size() -> None:
+@pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
+def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size(
+    partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # with the partitioner's points tried (the default) a store-all graph at one of them runs
+    # (NOTE [ The partitioner's budget ]), the re-plan measures them again; without, remat's
+    # recomputation runs
+    monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", partitioner)
     model = gpt2()
     reference = copy.deepcopy(model)
     batch = lm_batch()
     loss = lm_loss
 
     planned, summary = remat.auto(model, batch, budget="80%", compile=PARTITIONER, loop="loss-only")
-    assert any(True for _ in planned.plan.walk())
+    if partitioner:
+        assert partitioner_budget(planned.plan) in partitioner, planned.plan.params
+    else:
+        assert any(True for _ in planned.plan.walk())
     counters.clear()  # (the capture compiled the stages: the planned step reuses them)
     loss(planned, batch).backward()
     assert_one_graph_per_stage_at_most(planned)
@@ -485,11 +495,15 @@ def test_a_nested_plan_runs_compiled_within_its_prediction() -> None:
     assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes
 
 
-def test_gpt2_runs_as_one_compiled_graph_within_its_measured_prediction_and_budget() -> None:
+def test_gpt2_runs_as_one_compiled_graph_within_its_measured_prediction_and_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # issue #19: one compiled graph is faster than a graph per stage but its peak is not the
     # stages' (a recomputed segment's values live in the backward graph until read): auto
     # measures the one-graph step and plans below the budget by what it measured over
-    # (NOTE [ One compiled graph ]); the step is one graph, no break, within both
+    # (NOTE [ One compiled graph ]); the step is one graph, no break, within both. (remat's
+    # own recomputation: the partitioner's store-all points, which fit here, not tried)
+    monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", ())
     model = gpt2()
     reference = copy.deepcopy(model)
     batch = lm_batch()

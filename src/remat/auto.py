@@ -1174,7 +1174,7 @@ class _StepModel:
         One graph can hold less than its stages compiled alone (the partitioner recomputes
         across stages what they saved: GPT-2 124M on an H100, 5,398,799,872 B measured where
         the stages' least was 6,631,674,904 B), so below the chain's least :func:`auto` measures
-        as one graph the store-all plan at the partitioner budget :data:`PARTITIONER_TRIAL`
+        as one graph the store-all plan at the partitioner budgets :data:`PARTITIONER_TRIALS`
         (NOTE [ The partitioner's budget ]) and the least-memory plans (:func:`_least_plans`,
         at most :data:`ONE_GRAPH_TRIALS`), whatever the budget (the minimum named does not
         depend on it), and runs the fastest (by the chain's times) whose whole step
@@ -1208,14 +1208,15 @@ class _StepModel:
 
 
 ONE_GRAPH_TRIALS = 3
-PARTITIONER_TRIAL: float | None = 0.5
-"""The partitioner budget (torch's ``activation_memory_budget``) :func:`auto` (``compile=``)
-measures the store-all one graph at, after storing all at torch's setting and before any plan
-that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain); None: not
-tried (remat's plans only). torch.compile's least peak on the bench's models was at 0.5, or
-within 2 % of it (docs/results/compile)."""
 """How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
 graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
+PARTITIONER_TRIALS: tuple[float, ...] = (0.5, 0.2, 0.1)
+"""The partitioner budgets (torch's ``activation_memory_budget``) :func:`auto` (``compile=``)
+measures the store-all one graph at, in turn, after storing all at torch's setting and before
+any plan that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain);
+empty: none tried (remat's plans only). The knob is not monotone in bytes, so each is measured:
+torch.compile's least peak was at 0.5 on GPT-2 and the MLP chain, at 0.1 on Llama and
+DenseNet-121 (docs/results/compile)."""
 CANDIDATE_BUDGETS = 12
 """Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
 when lowering the budget by what the graph measured over gives no new plan."""
@@ -1274,7 +1275,7 @@ def _fit_one_graph(
     there is none (the budget below the flat planner's least) by the first flat candidate
     (:func:`auto`'s end with the least-memory plans, :func:`_least_plans`). With a budget,
     the ``store_all`` plans (:func:`auto`: storing every stage at torch's partitioner budget,
-    then at :data:`PARTITIONER_TRIAL`: torch.compile's own points, NOTE [ The partitioner's
+    then at each of :data:`PARTITIONER_TRIALS`: torch.compile's own points, NOTE [ The partitioner's
     budget ]) are measured in turn before the first plan that recomputes a stage, each once
     and not counted in the trials, and the first that fits runs. If none fits the first plan
     runs a graph per stage, as the chain predicts it (``predicted(plan)``), and the note says
@@ -1355,15 +1356,13 @@ def _rival_trial(
 
 def _store_all_trials(chain: Chain) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
-    partitioner budget, then at :data:`PARTITIONER_TRIAL`."""
+    partitioner budget, then at each of :data:`PARTITIONER_TRIALS`."""
     return [Plan.none(chain), *_partitioner_trials(chain)]
 
 
 def _partitioner_trials(chain: Chain) -> list[Plan]:
-    """The store-all plan at :data:`PARTITIONER_TRIAL` (none where it is None)."""
-    if PARTITIONER_TRIAL is None:
-        return []
-    return [with_partitioner_budget(Plan.none(chain), PARTITIONER_TRIAL)]
+    """The store-all plan at each of :data:`PARTITIONER_TRIALS`."""
+    return [with_partitioner_budget(Plan.none(chain), k) for k in PARTITIONER_TRIALS]
 
 
 def _recomputes(plan: Plan) -> bool:

@@ -688,8 +688,8 @@ absent: torch's setting (1 by default)."""
 # monotone in bytes (GPT-2 tiny on the CPU: 27.34 MiB at 1, 22.06 MiB at 0.5, 27.83 MiB at 0.2),
 # so remat does not plan with it: a one-graph plan may carry a value
 # (:func:`with_partitioner_budget`), the executor compiles and runs its one graph with it, and
-# remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIAL:
-# the store-all plan at 0.5, tried before any plan that recomputes stages). Only with no
+# remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIALS:
+# the store-all plan at 0.5, 0.2, 0.1 in turn, before any plan that recomputes stages). Only with no
 # checkpointed segment: under remat's checkpoints the budget raised GPT-2's peak by 1.2-2.2 MB
 # (docs/results/compile/knob).
 def partitioner_budget(plan: Plan) -> float | None:
