@@ -1305,21 +1305,16 @@ def _fit_one_graph(
             for rival in (r for r in rivals if describe_compiled(r) not in seen):
                 seen.add(describe_compiled(rival))
                 measured_rivals += 1
-                fit = _rival_trial(rival, total, baseline, measure, whole, tried)
+                fit, _, _ = _trial(rival, total, baseline, measure, whole, tried)
                 if fit is not None:
                     return fit
             rivals = []
         seen.add(describe_compiled(plan))
-        measured = measure(plan)
-        over = measured - baseline(plan)
+        fit, over, step = _trial(plan, total, baseline, measure, whole, tried)
         first_over = over if first_over is None else first_over
-        step = whole(plan, measured)
-        if total is None or step <= total:
-            note = "one graph after: " + "; ".join(tried) if tried else ""
-            return _OneGraphFit(as_one_graph(plan), step, over, note)
-        tried.append(
-            f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)"
-        )
+        if fit is not None:
+            return fit
+        assert total is not None  # (without a budget every plan fits)
         # (a plan measured over twice the budget leaves no budget to lower to: the candidates)
         plan = _planned(plan_at, max(0, total - (step - total)))
         if plan is None or describe_compiled(plan) in seen or _nested(plan):
@@ -1334,24 +1329,25 @@ def _fit_one_graph(
     return _OneGraphFit(first, predicted(first), first_over, note)
 
 
-def _rival_trial(
+def _trial(
     plan: Plan,
-    total: int,
+    total: int | None,
     baseline: Callable[[Plan], int],
     measure: Callable[[Plan], int],
     whole: Callable[[Plan, int], int],
     tried: list[str],
-) -> _OneGraphFit | None:
-    """:func:`_fit_one_graph`'s trial of a store-all ``plan``: the fit where its measured whole
-    step is within ``total``, else None and ``tried`` says what it measured."""
+) -> tuple[_OneGraphFit | None, int, int]:
+    """:func:`_fit_one_graph`'s trial of ``plan``: ``(fit, over, step)``, the fit where its
+    measured whole step ``step`` is within ``total`` (or there is none), else None and
+    ``tried`` says what it measured; ``over``: what the graph measured above the stages."""
     measured = measure(plan)
     over = measured - baseline(plan)
     step = whole(plan, measured)
-    if step <= total:
+    if total is None or step <= total:
         note = "one graph after: " + "; ".join(tried) if tried else ""
-        return _OneGraphFit(as_one_graph(plan), step, over, note)
+        return _OneGraphFit(as_one_graph(plan), step, over, note), over, step
     tried.append(f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)")
-    return None
+    return None, over, step
 
 
 def _store_all_trials(chain: Chain) -> list[Plan]:
