@@ -1,0 +1,102 @@
+"""Is there a faster partition than torch.compile's best point within its memory? (issue #19)
+
+At ``activation_memory_budget=0.5`` remat's store-everything one graph runs torch.compile's own
+partition (NOTE [ The partitioner's budget ] in remat.execute.chain), and on GPT-2 holds 1 MiB
+less than ``torch.compile@0.5``. This measures the store-everything one graph at partitioner
+budgets between 0.5 and 1 on the bench's GPT-2 (``remat bench compile``'s sizes): its exact
+whole-step peak (Adam, allocator events) against torch.compile@0.5's, and its step time
+against torch.compile@0.5's, the two interleaved in one loop (31 steps each).
+
+Writes ``docs/results/compile/knob/store-all.json`` and ``store-all.md``::
+
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src .venv/bin/python \\
+        benchmarks/compile_knob_store_all.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from remat import Plan
+from remat.bench.compile import BACKEND, _options, load_workload
+from remat.bench.methods import compile_setup
+from remat.capture.chain import capture
+from remat.execute.chain import apply, as_one_graph, with_partitioner_budget
+from remat.measure.events import interleaved_times, step_peak_bytes
+
+OUT = Path("docs/results/compile/knob")
+KNOBS = (0.9, 0.8, 0.7, 0.6, 0.5)
+REPEATS = 31
+
+
+def main() -> None:
+    start = time.time()
+    work = load_workload("gpt2", **_options("gpt2", False))
+    stages = capture(work.model, work.batch, loss_fn=work.loss_fn).stages
+
+    def stepper(module: torch.nn.Module, ctx: object = None) -> tuple[object, object]:
+        opt = torch.optim.Adam(work.model.parameters(), lr=0.0)
+
+        def step() -> None:
+            if ctx is not None:
+                with ctx():  # type: ignore[operator]
+                    work.loss_fn(module, work.batch).backward()
+            else:
+                work.loss_fn(module, work.batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, opt
+
+    torch._dynamo.reset()
+    setup = compile_setup(work, 0.5, backend=BACKEND)
+    compile_step, compile_opt = stepper(setup.module, setup.context)
+    compile_peak = step_peak_bytes(compile_step, work.model, compile_opt, work.batch)
+    rows = []
+    for knob in KNOBS:
+        torch._dynamo.reset()
+        plan = with_partitioner_budget(as_one_graph(Plan.none(stages.n)), knob)
+        planned = apply(work.model, plan, stages=stages, compile={"backend": BACKEND})
+        step, opt = stepper(planned)
+        peak = step_peak_bytes(step, work.model, opt, work.batch)
+        torch._dynamo.reset()  # (both compiled afresh: dynamo does not guard on the knob)
+        times = interleaved_times({"compile": compile_step, "remat": step}, REPEATS, warmup=2)
+        ratio = statistics.median(times["remat"]) / statistics.median(times["compile"])
+        rows.append({"partitioner_budget": knob, "peak_bytes": peak, "paired_ratio": ratio})
+        print(rows[-1], flush=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
+        "seconds": round(time.time() - start),
+        "torch": torch.__version__,
+        "compile_0.5_peak_bytes": compile_peak,
+        "repeats": REPEATS,
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "store-all.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [
+        "# remat's store-everything one graph at partitioner budgets 0.5-0.9 (GPT-2)",
+        "",
+        f"{meta['date']}, torch {meta['torch']}, inductor on the CPU, 1 torch thread; "
+        f"{meta['seconds']} s. `benchmarks/compile_knob_store_all.py`. torch.compile@0.5 peaks "
+        f"at {compile_peak:,} B. Time: remat step / torch.compile@0.5 step, {REPEATS} steps "
+        "each, interleaved in one loop.",
+        "",
+        "| partitioner budget | peak (B) | within torch.compile@0.5 | time / torch.compile@0.5 |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        fits = "yes" if r["peak_bytes"] <= compile_peak else "no"
+        lines.append(
+            f"| {r['partitioner_budget']:g} | {r['peak_bytes']:,} | {fits} | "
+            f"{r['paired_ratio']:.3f} |"
+        )
+    (OUT / "store-all.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
