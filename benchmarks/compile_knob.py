@@ -68,7 +68,6 @@ def main() -> None:
             setup = Setup(f"remat {name} @{knob:g}", planned, context=context)
             rows.append(measure_setup(setup, work, eager_grads, repeats))
             print(rows[-1]["method"], rows[-1].get("peak_bytes"), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
     keep = ("method", "peak_bytes", "time_ratio", "max_grad_rel_diff", "error")
     table = [{k: r.get(k) for k in keep} for r in rows]
     meta = {
@@ -77,7 +76,6 @@ def main() -> None:
         "repeats": repeats,
         "torch": torch.__version__,
     }
-    (OUT / "knob.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1) + "\n")
     lines = [
         "# remat's flat plans as one compiled graph, with inductor's partitioner budget",
         "",
@@ -95,7 +93,14 @@ def main() -> None:
             if peak
             else f"| {r['method']} | error: {r['error']} | | |"
         )
-    (OUT / "knob.md").write_text("\n".join(lines) + "\n")
+    write_results("knob", meta, table, lines)
+
+
+def write_results(stem: str, meta: dict, rows: list[dict], lines: list[str]) -> None:
+    """``OUT/STEM.json`` (``meta`` and ``rows``) and ``OUT/STEM.md`` (``lines``)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ Writes ``docs/results/compile/knob/store-all.json`` and ``store-all.md``::
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from compile_knob import write_results
 
 from remat import Plan
 from remat.bench.compile import BACKEND, _options, load_workload
@@ -29,7 +28,6 @@ from remat.capture.chain import capture
 from remat.execute.chain import apply, as_one_graph, with_partitioner_budget
 from remat.measure.events import interleaved_times, step_peak_bytes
 
-OUT = Path("docs/results/compile/knob")
 KNOBS = (0.9, 0.8, 0.7, 0.6, 0.5)
 REPEATS = 31
 
@@ -76,8 +74,6 @@ def main() -> None:
         "compile_0.5_peak_bytes": compile_peak,
         "repeats": REPEATS,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "store-all.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
         "# remat's store-everything one graph at partitioner budgets 0.5-0.9 (GPT-2)",
         "",
@@ -95,7 +91,7 @@ def main() -> None:
             f"| {r['partitioner_budget']:g} | {r['peak_bytes']:,} | {fits} | "
             f"{r['paired_ratio']:.3f} |"
         )
-    (OUT / "store-all.md").write_text("\n".join(lines) + "\n")
+    write_results("store-all", meta, rows, lines)
 
 
 if __name__ == "__main__":
