@@ -24,6 +24,7 @@ from compile_knob import write_results
 from remat import Plan
 from remat.bench.compile import BACKEND, _options, load_workload
 from remat.bench.methods import compile_setup
+from remat.bench.suites import training_step
 from remat.capture.chain import capture
 from remat.execute.chain import apply, as_one_graph, with_partitioner_budget
 from remat.measure.events import interleaved_times, step_peak_bytes
@@ -37,30 +38,16 @@ def main() -> None:
     work = load_workload("gpt2", **_options("gpt2", False))
     stages = capture(work.model, work.batch, loss_fn=work.loss_fn).stages
 
-    def stepper(module: torch.nn.Module, ctx: object = None) -> tuple[object, object]:
-        opt = torch.optim.Adam(work.model.parameters(), lr=0.0)
-
-        def step() -> None:
-            if ctx is not None:
-                with ctx():  # type: ignore[operator]
-                    work.loss_fn(module, work.batch).backward()
-            else:
-                work.loss_fn(module, work.batch).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step, opt
-
     torch._dynamo.reset()
     setup = compile_setup(work, 0.5, backend=BACKEND)
-    compile_step, compile_opt = stepper(setup.module, setup.context)
+    compile_step, compile_opt = training_step(setup.module, work, setup.context)
     compile_peak = step_peak_bytes(compile_step, work.model, compile_opt, work.batch)
     rows = []
     for knob in KNOBS:
         torch._dynamo.reset()
         plan = with_partitioner_budget(as_one_graph(Plan.none(stages.n)), knob)
         planned = apply(work.model, plan, stages=stages, compile={"backend": BACKEND})
-        step, opt = stepper(planned)
+        step, opt = training_step(planned, work)
         peak = step_peak_bytes(step, work.model, opt, work.batch)
         torch._dynamo.reset()  # (both compiled afresh: dynamo does not guard on the knob)
         times = interleaved_times({"compile": compile_step, "remat": step}, REPEATS, warmup=2)

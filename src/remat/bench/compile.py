@@ -54,6 +54,7 @@ from remat.bench.suites import (
     _grads,
     load_workload,
     measure_setup,
+    training_step,
 )
 from remat.core.units import format_bytes
 from remat.execute.chain import describe_compiled, partitioner_budget
@@ -336,27 +337,14 @@ def _pair(rows: list[dict[str, Any]], keep: dict[str, Setup], work: Workload, re
         c["paired"] = {}
         for r in fits[:PAIRED_CANDIDATES]:
             torch._dynamo.reset()
-            steps = {name: _timed_step(keep[name], work) for name in (c["method"], r["method"])}
+            steps = {
+                name: training_step(keep[name].module, work, keep[name].context or nullcontext)[0]
+                for name in (c["method"], r["method"])
+            }
             times = interleaved_times(steps, repeats=repeats, warmup=2)
             ratio = statistics.median(times[r["method"]]) / statistics.median(times[c["method"]])
             c["paired"][r["method"]] = ratio
     torch._dynamo.reset()
-
-
-def _timed_step(setup: Setup, work: Workload) -> Callable[[], None]:
-    """One training step of ``setup`` as :func:`measure_setup` times it (loss, backward, Adam
-    at lr 0)."""
-    assert setup.module is not None
-    module, ctx = setup.module, setup.context or nullcontext
-    opt = torch.optim.Adam(module.parameters(), lr=0.0)
-
-    def step() -> None:
-        with ctx():
-            work.loss_fn(module, work.batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def _save_partial(rows: list[dict[str, Any]]) -> None:

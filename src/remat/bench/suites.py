@@ -40,7 +40,7 @@ from remat.measure.profile import optimizer_costs
 from remat.planners import available
 from remat.planners.optimal_time import min_feasible_peak
 
-__all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "machine_info"]
+__all__ = ["SUITES", "run_suite", "load_workload", "measure_setup", "training_step", "machine_info"]
 
 PEER_MODELS = ("resnet50", "densenet121", "gpt2", "llama-tiny")
 # Rockmate's own experiments (Zhao et al. 2023): the comparison on the ground its authors chose
@@ -111,6 +111,24 @@ def _grads(module: torch.nn.Module, work: Workload, ctx: Callable[[], Any]) -> d
     return grads
 
 
+def training_step(
+    module: torch.nn.Module, work: Workload, context: Callable[[], Any] = nullcontext
+) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    """One training step of ``module`` on ``work`` as the benches time it, and its optimizer:
+    ``work.loss_fn`` and its backward inside ``context()``, then Adam at lr 0 (it allocates and
+    updates its state as usual but the weights stay the same, so every method's gradients are
+    compared at the same point)."""
+    opt = torch.optim.Adam(module.parameters(), lr=0.0)
+
+    def step() -> None:
+        with context():
+            work.loss_fn(module, work.batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt
+
+
 def measure_setup(
     setup: Setup, work: Workload, eager_grads: dict[str, Any] | None, repeats: int = 5
 ) -> dict[str, Any]:
@@ -135,20 +153,8 @@ def measure_setup(
                     worst = max(worst, float((grads[key] - ref).abs().max()) / denom)
             row["max_grad_rel_diff"] = worst
             row["grads_compared"] = sum(k in grads for k in eager_grads)
-        # lr=0: Adam allocates and updates its state as usual but the weights stay the same,
-        # so every method's gradients are compared at the same point
-        opt = torch.optim.Adam(module.parameters(), lr=0.0)
-        eager_opt = torch.optim.Adam(work.model.parameters(), lr=0.0)
-
-        def step(m: torch.nn.Module = module, o: Any = opt, c: Any = ctx) -> None:
-            with c():
-                loss = work.loss_fn(m, work.batch)
-                loss.backward()
-            o.step()
-            o.zero_grad(set_to_none=True)
-
-        def eager_step() -> None:
-            step(work.model, eager_opt, nullcontext)
+        step, opt = training_step(module, work, ctx)
+        eager_step, _ = training_step(work.model, work)
 
         if torch.cuda.is_available():
             row["peak_bytes"] = cuda_step_peak_bytes(step)
