@@ -180,3 +180,114 @@ def test_nested_plan_keeps_its_savings_under_torch_compile() -> None:
         peaks["compiled"] / act,
         peaks["eager"] / act,
     )
+
+
+def test_executor_checkpoints_what_a_hand_loop_does() -> None:
+    """NOTE [ The executor's program ]: a checkpointed segment of one stage hands torch's
+    checkpoint the stage module itself, as ``checkpoint(module, a)`` in a hand loop does; a
+    longer one a function over its stages; a nested one its program. Every one runs with the
+    same options, made once per executor, and the gradients are the unplanned model's."""
+    import remat.execute.chain as chain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    reference(x).sum().backward()
+    plan = Plan.from_chain_segments(
+        (
+            ChainSegment(1, 1, True),
+            ChainSegment(2, 3, True),
+            ChainSegment(4, 6, True, (ChainSegment(4, 4, True), ChainSegment(5, 6))),
+        )
+    )
+    planned = apply(model, plan)
+    seen: list[tuple[object, dict]] = []
+    real = chain.checkpoint
+
+    def recording(fn, *args, **kwargs):
+        seen.append((fn, kwargs))
+        return real(fn, *args, **kwargs)
+
+    chain.checkpoint = recording
+    try:
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            seen.clear()
+            planned(x).sum().backward()
+    finally:
+        chain.checkpoint = real
+    fns = [fn for fn, _ in seen]
+    # forward: stage 1, stages 2-3, stages 4-6 (in it stage 4); recomputation: 4-6 and 4
+    assert fns[0] is model[0]
+    assert not isinstance(fns[1], nn.Module) and not isinstance(fns[2], nn.Module)
+    assert fns[3] is model[3]
+    assert len(fns) == 5 and fns[4] is model[3]
+    assert all(kw == {"use_reentrant": False, "preserve_rng_state": True} for _, kw in seen)
+    for got, ref in zip(_grads(model), _grads(reference), strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_step_state_walks_every_parameter() -> None:
+    """:func:`step_state`, read on every training step, walks the module tree's own dicts:
+    it sees a module registered as None, a tied weight, a frozen parameter, a parameter
+    unfrozen later, a LoRA-like adapter added deep inside after planning, and a gradient
+    live at the forward's start."""
+    from remat.execute.chain import step_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 10))
+    tied = nn.Linear(8, 10, bias=False)
+    tied.weight = model[2].weight  # one parameter held by two modules
+    model.append(tied)
+    model.register_module("unused", None)
+    model[0].weight.requires_grad_(False)
+    live, trains = step_state(model)
+    assert not live
+    every = [p.requires_grad for _, p in model.named_parameters(remove_duplicate=False)]
+    assert sorted(trains) == sorted(every)  # the tied weight twice, as torch lists it so
+    assert step_state(model) == (live, trains)  # the same on every call
+    model[0].weight.requires_grad_(True)
+    assert step_state(model)[1] != trains
+    model[0].weight.requires_grad_(False)
+    model[1][0].add_module("adapter", nn.Linear(8, 2))  # deep inside a stage module
+    assert len(step_state(model)[1]) == len(trains) + 2
+    model[2].bias.grad = torch.zeros(10)
+    assert step_state(model)[0]
+    model[2].bias.requires_grad_(False)  # a gradient on a frozen parameter is not live
+    assert not step_state(model)[0]
+
+
+def test_a_deepcopy_runs_its_own_modules() -> None:
+    """The executor's program holds objects, not closures: a ``copy.deepcopy`` of a planned
+    module (every kind of segment, batch norm's buffer guard) trains its own parameters and
+    buffers, equal to an unplanned copy, and leaves the original untouched."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(8, 8), nn.BatchNorm1d(8)]
+    model = nn.Sequential(*layers)
+    plan = Plan.from_chain_segments(
+        (
+            ChainSegment(1, 1, True),
+            ChainSegment(2, 3, True),
+            ChainSegment(4, 6, True, (ChainSegment(4, 4, True), ChainSegment(5, 6))),
+        )
+    )
+    planned = apply(model, plan)
+    before = copy.deepcopy(model.state_dict())
+    twin = copy.deepcopy(planned)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    twin(x).sum().backward()
+    reference(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    for got, ref in zip(_grads(twin.model), _grads(reference), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    for (key, got), ref in zip(
+        twin.model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7, msg=key)

@@ -156,11 +156,20 @@ def step_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
     loop without ``zero_grad(set_to_none=True)``: every gradient is held through the whole
     step), and which parameters train (a parameter unfrozen after planning gets a gradient).
     """
+    # A walk of the module tree's own dicts, not ``model.parameters()`` (which names every
+    # module on the way): called on every training step, 3-4x faster (GPT-2 tiny: 21 against
+    # 78 us). A parameter shared by two modules is listed twice, the same on every call.
     live = False
     trains = []
-    for p in model.parameters():
-        trains.append(p.requires_grad)
-        live = live or (p.requires_grad and p.grad is not None)
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        for p in module._parameters.values():
+            if p is not None:
+                trains.append(p.requires_grad)
+                if p.requires_grad and p.grad is not None:
+                    live = True
+        stack.extend(m for m in module._modules.values() if m is not None)
     return live, tuple(trains)
 
 
@@ -430,6 +439,25 @@ class _WriteWatch:
 
 
 # ---------------------------------------------------------------------- the executor
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CheckpointedSegment:
+    """A checkpointed segment as the executor runs it (NOTE [ The executor's program ])."""
+
+    start: int
+    name: str
+    """The segment's first stage and its name (for errors)."""
+    children: tuple[Any, ...]
+    """The program of its sub-plan."""
+    options: dict[str, Any]
+    """``checkpoint``'s keyword arguments in eager mode (with the buffer guard's
+    ``context_fn`` where the segment has buffers)."""
+    traced_options: dict[str, Any]
+    """Those without the buffer guard, under ``torch.compile`` of the planned module."""
+    run_tensor: Callable[[torch.Tensor], Any]
+    """What the checkpoint runs for a tensor input: the stage module itself for a segment of
+    one stored stage (as a hand loop of ``checkpoint(module, a)`` does), else its program."""
+
+
 class _Executor:
     """Runs the stages under a plan's segment tree with nested non-reentrant checkpoints.
 
@@ -470,72 +498,107 @@ class _Executor:
             # checkpoints (nested ones too); one executor per plan:
             # a new input signature gets its own plan (static shapes: the plan is for these)
             self.compiled = compile_stages(stages, compile_options)
+        self.program = self._program(self.tree)
+        """The tree as what :meth:`run` walks, made once (NOTE [ The executor's program ])."""
 
     @property
     def compiles(self) -> bool:
         """Whether training forwards run compiled (either mode): :meth:`step` runs them."""
         return self.compiled is not None or self.compiled_step is not None
 
-    def run(self, a: Any) -> Any:
-        return self._run_segments(self.tree, a)
-
-    def _run_segments(self, segments: Sequence[ChainSegment], a: Any) -> Any:
+    # NOTE [ The executor's program ]: everything about a segment that does not change from
+    # step to step is worked out once, when the executor is made: the modules a stored segment
+    # runs, and for a checkpointed segment its checkpoint options, its buffer guard and the
+    # program of its children. A step then runs the program with only what depends on its
+    # values (the input's structure, the version checks): torch's checkpoint per segment plus
+    # a few attribute reads, so that at equal plans remat runs no slower than a hand loop of
+    # torch's checkpoints (benchmarks/executor_overhead.py).
+    def _program(self, segments: Sequence[ChainSegment]) -> tuple[Any, ...]:
+        """``segments`` as runnable items: a tuple of the modules of consecutive stored
+        stages, or a :class:`_CheckpointedSegment`."""
         modules = self.compiled or self.stages.modules
+        items: list[Any] = []
         for seg in segments:
             if seg.checkpoint:
-                a = self._checkpointed(seg, a)
+                items.append(self._checkpointed_segment(seg))
+            elif items and type(items[-1]) is tuple:
+                items[-1] += tuple(modules[i - 1] for i in seg.stages())
             else:
-                for i in seg.stages():
-                    a = modules[i - 1](a)
+                items.append(tuple(modules[i - 1] for i in seg.stages()))
+        return tuple(items)
+
+    def _checkpointed_segment(self, seg: ChainSegment) -> _CheckpointedSegment:
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if not self.early_stop:
+            options["early_stop"] = False
+        buffers = self._buffers[(seg.start, seg.stop)]
+        eager_options = options
+        if buffers.slots:
+            # (under torch.compile of the planned module, AOTAutograd applies a buffer mutation
+            # once: no fix needed)
+            context_fn = _BufferContexts(buffers, pause=self.compiled is None)
+            eager_options = {**options, "context_fn": context_fn}
+        children = self._program(seg.children)
+        return _CheckpointedSegment(
+            seg.start,
+            self.stages.names[seg.start - 1],
+            children,
+            eager_options,
+            options,
+            _tensor_runner(self, children),
+        )
+
+    def run(self, a: Any) -> Any:
+        return self._run_program(self.program, a)
+
+    def _run_program(self, program: tuple[Any, ...], a: Any) -> Any:
+        for item in program:
+            if type(item) is tuple:
+                for module in item:
+                    a = module(a)
+            else:
+                a = self._checkpointed(item, a)
         return a
 
-    def _checkpointed(self, seg: ChainSegment, a: Any) -> Any:
+    def _checkpointed(self, seg: _CheckpointedSegment, a: Any) -> Any:
         # Tensors go to checkpoint as positional arguments: torch saves only those through
         # saved-tensor hooks (so an enclosing checkpoint recomputes them, Rule 2); tensors
         # nested in a tuple argument would be held by reference instead. For the same reason
         # the function checkpointed must not capture any tensor of ``a``: the checkpoint keeps
         # it until its backward, and an inner checkpoint's input would never be freed.
         if isinstance(a, torch.Tensor):  # the common case: no flattening
-            tensors: list[torch.Tensor] = [a]
-            run_children = _segment_runner(self, seg.children, None, None, None)
-        else:
-            # (a plain loop, no comprehension over ``leaves``: a name a nested scope reads
-            # becomes a cell, and ``del`` of a cell is a graph break under torch.compile)
-            leaves, spec = tree_flatten(a)
-            positions: list[int] = []
-            tensors = []
-            template: list[Any] = []
-            for k, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
-                    positions.append(k)
-                    tensors.append(leaf)
-                    template.append(None)
-                else:
-                    template.append(leaf)
-            del leaves
-            run_children = _segment_runner(self, seg.children, positions, template, spec)
+            if torch.compiler.is_compiling():  # (see below)
+                return checkpoint(seg.run_tensor, a, **seg.traced_options)
+            version = tensor_version(a)
+            out = checkpoint(seg.run_tensor, a, **seg.options)
+            if tensor_version(a) != version:  # the recomputation would start from other values
+                raise in_place_input_error(seg.start, seg.name)
+            return out
+        # (a plain loop, no comprehension over ``leaves``: a name a nested scope reads
+        # becomes a cell, and ``del`` of a cell is a graph break under torch.compile)
+        leaves, spec = tree_flatten(a)
+        positions: list[int] = []
+        tensors: list[torch.Tensor] = []
+        template: list[Any] = []
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                positions.append(k)
+                tensors.append(leaf)
+                template.append(None)
+            else:
+                template.append(leaf)
+        del leaves
+        run_children = _segment_runner(self, seg.children, positions, template, spec)
         del a
-        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
-        if not self.early_stop:
-            options["early_stop"] = False
-        buffers = self._buffers[(seg.start, seg.stop)]
-        if buffers.slots and not torch.compiler.is_compiling():
-            # (under torch.compile of the planned module, AOTAutograd applies a buffer mutation
-            # once: no fix needed)
-
-            def context_fn() -> tuple[Any, Any]:
-                return _BuffersWrittenOnce(buffers, pause=self.compiled is None).pair()
-
-            options["context_fn"] = context_fn
         if torch.compiler.is_compiling():
             # (torch.compile of the planned module by hand: AOTAutograd functionalizes in-place
-            # ops, so the recomputation reads the values the forward read; and comparing
-            # versions would be a graph break)
-            return checkpoint(run_children, *tensors, **options)
+            # ops, so the recomputation reads the values the forward read, and applies a buffer
+            # mutation once; comparing versions would be a graph break)
+            return checkpoint(run_children, *tensors, **seg.traced_options)
         versions = _versions(tensors)
-        out = checkpoint(run_children, *tensors, **options)
+        out = checkpoint(run_children, *tensors, **seg.options)
         if _versions(tensors) != versions:  # the recomputation would start from other values
-            raise in_place_input_error(seg.start, self.stages.names[seg.start - 1])
+            raise in_place_input_error(seg.start, seg.name)
         return out
 
     # NOTE [ One compiled graph ]: in one-graph mode (a flat plan whose ``params`` say
@@ -738,9 +801,55 @@ def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
     return marked
 
 
+# What the executor's program holds (NOTE [ The executor's program ]) are objects, not
+# closures: ``copy.deepcopy`` of a planned module copies an object's modules, and pickle saves
+# it, where a closure would keep running the original model's modules in the copy.
+class _RunModules:
+    """Runs stored stages one after the other."""
+
+    def __init__(self, modules: tuple[Callable[..., Any], ...]) -> None:
+        self.modules = modules
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        for module in self.modules:
+            t = module(t)
+        return t
+
+
+class _RunProgram:
+    """Runs a checkpointed segment's sub-plan from its tensor input."""
+
+    def __init__(self, executor: _Executor, children: tuple[Any, ...]) -> None:
+        self.executor = executor
+        self.children = children
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        return self.executor._run_program(self.children, t)
+
+
+class _BufferContexts:
+    """A checkpointed segment's ``context_fn``: a new :class:`_BuffersWrittenOnce` pair for
+    every forward."""
+
+    def __init__(self, buffers: _SegmentBuffers, pause: bool) -> None:
+        self.buffers = buffers
+        self.pause = pause
+
+    def __call__(self) -> tuple[Any, Any]:
+        return _BuffersWrittenOnce(self.buffers, pause=self.pause).pair()
+
+
+def _tensor_runner(executor: _Executor, children: tuple[Any, ...]) -> Callable[..., Any]:
+    """A checkpointed segment's ``run_tensor`` (:class:`_CheckpointedSegment`)."""
+    if len(children) == 1 and type(children[0]) is tuple:  # stored stages only
+        modules = children[0]
+        return modules[0] if len(modules) == 1 else _RunModules(modules)
+    return _RunProgram(executor, children)
+
+
 def _segment_runner(
     executor: _Executor,
-    children: Sequence[ChainSegment],
+    children: tuple[Any, ...],
     positions: list[int] | None,
     template: list[Any] | None,
     spec: Any,
@@ -752,7 +861,7 @@ def _segment_runner(
     if positions is None:
 
         def run_one(t: torch.Tensor) -> Any:
-            return executor._run_segments(children, t)
+            return executor._run_program(children, t)
 
         return run_one
 
@@ -760,7 +869,7 @@ def _segment_runner(
         rebuilt = list(template or ())
         for k, t in zip(positions, ts, strict=True):
             rebuilt[k] = t
-        return executor._run_segments(children, tree_unflatten(rebuilt, spec))
+        return executor._run_program(children, tree_unflatten(rebuilt, spec))
 
     return run_children
 
