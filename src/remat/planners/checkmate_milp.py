@@ -78,9 +78,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import os
 import random
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +105,44 @@ __all__ = [
     "PlannerTimeoutError",
     "backward_floor",
 ]
+
+
+@contextlib.contextmanager
+def _highs_prints_dropped() -> Iterator[None]:
+    """The solve with HiGHS's own prints dropped from the process's standard output.
+
+    HiGHS as SciPy bundles it prints some debug lines with C's ``printf`` whatever ``disp``
+    says ("HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();", on a timm
+    ResNet-18-D's graph): file descriptor 1 points at a temporary file during the solve, and
+    what else was written there meanwhile (another thread's output) is written back after it,
+    the lines that start with ``Highs`` left out. Where descriptor 1 cannot be moved, the solve
+    runs as it is."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    with tempfile.TemporaryFile() as out:
+        os.dup2(out.fileno(), 1)
+        try:
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+            out.seek(0)
+            kept = [line for line in out.read().splitlines(True) if not line.startswith(b"Highs")]
+            if kept:
+                os.write(1, b"".join(kept))
+
+
+def _flush_c_stdio() -> None:
+    """C's buffered ``stdout`` written out (``fflush(NULL)``), where the C library is found."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 class PlannerTimeoutError(RematError, RuntimeError):
@@ -290,13 +334,14 @@ class _Model:
         if integral:
             options["mip_rel_gap"] = mip_rel_gap
         start = time.perf_counter()
-        res = milp(
-            c,
-            integrality=integrality,
-            bounds=Bounds(lb, ub),
-            constraints=[LinearConstraint(A, np.array(lo), np.array(hi))],
-            options=options,
-        )
+        with _highs_prints_dropped():
+            res = milp(
+                c,
+                integrality=integrality,
+                bounds=Bounds(lb, ub),
+                constraints=[LinearConstraint(A, np.array(lo), np.array(hi))],
+                options=options,
+            )
         status = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded"}.get(
             res.status, "error"
         )
