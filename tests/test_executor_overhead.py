@@ -291,3 +291,36 @@ def test_a_deepcopy_runs_its_own_modules() -> None:
         twin.model.state_dict().items(), reference.state_dict().values(), strict=True
     ):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_input_signature_of_plain_arguments_is_the_flattened_one() -> None:
+    """:func:`input_signature` skips the pytree flatten for plain tensors, scalars and None
+    (read on every training step) and gives what the flatten gives, for every call shape, the
+    first time and from its cache of structures."""
+    import numpy as np
+
+    from remat.execute.chain import _flattened_signature, input_signature
+
+    x = torch.randn(2, 3)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    calls: list[tuple[tuple, dict]] = [
+        ((x,), {}),
+        ((x, None, 3, 2.5, "mean", True), {}),
+        ((), {"input_ids": ids, "labels": ids, "attention_mask": None}),
+        ((ids,), {"labels": ids, "return_dict": False}),
+        ((x,), {"b": x, "a": None}),
+        ((x,), {"a": None, "b": x}),
+        ((nn.Parameter(x),), {}),
+        ((x, [x, x]), {}),  # containers: the flatten
+        (({"a": x, "b": (x, 1)},), {}),
+        ((x, np.float64(1.0)), {}),  # a float subclass
+        ((x, torch.float16), {}),  # another object
+    ]
+    for args, kwargs in calls:
+        want = _flattened_signature(args, kwargs)
+        assert input_signature(*args, **kwargs) == want, (args, kwargs)
+        assert input_signature(*args, **kwargs) == want, (args, kwargs)
+    assert input_signature(x) != input_signature(x.T)
+    assert input_signature(x) != input_signature(x.double())
+    assert input_signature(x, 1) != input_signature(x, 2)
+    assert input_signature(x, a=x) != input_signature(x, b=x)
