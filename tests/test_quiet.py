@@ -69,14 +69,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_auto_prints_only_what_remat_prints(tmp_path: Path) -> None:
+def _run_as_a_user(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` run in a fresh process with remat from src/ (no Kineto log level set, as a
+    user's environment has none); it must succeed."""
     src = Path(__file__).resolve().parents[1] / "src"
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
-    expected = tmp_path / "expected.txt"
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(expected)],
+        [sys.executable, "-c", script, *args],
         env=env,
         capture_output=True,
         text=True,
@@ -84,6 +85,12 @@ def test_auto_prints_only_what_remat_prints(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_auto_prints_only_what_remat_prints(tmp_path: Path) -> None:
+    expected = tmp_path / "expected.txt"
+    done = _run_as_a_user(SCRIPT, str(expected))
     for noise in ("USDT", "profiler_start", "gpuGetDeviceCount", "HiGHS"):
         assert noise not in done.stdout + done.stderr, noise
     # stdout: the two summaries the script printed, nothing around them (solver logs go here)
@@ -128,18 +135,7 @@ SOLVER_PRINTS = textwrap.dedent(
 def test_the_solver_prints_nothing() -> None:
     """HiGHS's own debug lines (C's printf to descriptor 1) do not reach the user's standard
     output; what else was written there during the solve does, in order."""
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", SOLVER_PRINTS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_as_a_user(SOLVER_PRINTS)
     assert "Highs" not in done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "before" and lines[-1] == "after optimal", lines
