@@ -125,7 +125,7 @@ def _flattened_signature(args: tuple, kwargs: dict) -> tuple:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+        elif leaf is None or isinstance(leaf, _PLAIN_VALUES):
             sig.append(("value", leaf))
         else:
             sig.append(("object", type(leaf).__qualname__))
@@ -893,23 +893,18 @@ def _tensor_runner(executor: _Executor, children: tuple[Any, ...]) -> Callable[.
 def _segment_runner(
     executor: _Executor,
     children: tuple[Any, ...],
-    positions: list[int] | None,
-    template: list[Any] | None,
+    positions: list[int],
+    template: list[Any],
     spec: Any,
 ) -> Callable[..., Any]:
-    """What a checkpointed segment runs: its children, from the segment's input tensors (and,
-    for a structured activation, the non-tensor leaves and tree structure: never a tensor).
-    A function of its own so that the checkpointing frame has no closure cells (``del`` of a
-    cell is a graph break under torch.compile)."""
-    if positions is None:
-
-        def run_one(t: torch.Tensor) -> Any:
-            return executor._run_program(children, t)
-
-        return run_one
+    """What a checkpointed segment runs for a structured activation: its children, from the
+    segment's input tensors and the non-tensor leaves and tree structure (never a tensor; a
+    tensor activation runs the segment's ``run_tensor``). A function of its own so that the
+    checkpointing frame has no closure cells (``del`` of a cell is a graph break under
+    torch.compile)."""
 
     def run_children(*ts: torch.Tensor) -> Any:
-        rebuilt = list(template or ())
+        rebuilt = list(template)
         for k, t in zip(positions, ts, strict=True):
             rebuilt[k] = t
         return executor._run_program(children, tree_unflatten(rebuilt, spec))
