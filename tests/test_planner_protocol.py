@@ -52,6 +52,14 @@ chains = st.builds(
     seed=st.integers(0, 10_000),
     overheads=st.booleans(),
 )
+frozen_chains = st.builds(
+    lambda chain, k: dataclasses.replace(chain, frozen_prefix=min(k, chain.n)),
+    chains,
+    st.integers(1, 8),
+)
+"""Chains whose first stages have no backward (a fine-tuned model's frozen stem): the
+planners' own costs count those stages' gradients, the simulator does not (NOTE [ A frozen
+prefix in the planners ] in remat.planners.registry)."""
 
 
 def test_every_registered_planner_satisfies_the_protocol() -> None:
@@ -70,8 +78,8 @@ def test_optimal_time_brings_its_own_sweep_and_least_peak() -> None:
     assert planner.least_peak is min_feasible_peak  # type: ignore[attr-defined]
 
 
-@settings(max_examples=25)
-@given(chains)
+@settings(max_examples=50)
+@given(st.one_of(chains, frozen_chains))
 def test_least_peak_is_feasible_and_exact_for_every_planner(chain: Chain) -> None:
     """Planning at ``least_peak`` succeeds within it; one byte less fails with the specific
     error (for every planner: the budget planners search down to it, the fixed ones have one
@@ -97,8 +105,8 @@ def _budgets(chain: Chain, data: st.DataObject) -> list[int]:
     return data.draw(st.lists(st.integers(0, top + 5), min_size=1, max_size=6))
 
 
-@settings(max_examples=25)
-@given(chains, st.data())
+@settings(max_examples=50)
+@given(st.one_of(chains, frozen_chains), st.data())
 def test_sweep_equals_planning_each_budget(chain: Chain, data: st.DataObject) -> None:
     budgets = _budgets(chain, data)
     for method in available():

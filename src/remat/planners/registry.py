@@ -25,6 +25,7 @@ This module imports no planner: the planner modules import it to register themse
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -249,7 +250,53 @@ def plan_chain(
             lambda: simulate(chain, Plan.none(chain)).peak_bytes,
             "the unplanned activation peak",
         )
-    return _stamped(chain, method, get(method)(chain, budget_bytes), budget_bytes)
+    try:
+        found = get(method)(chain, budget_bytes)
+    except BudgetTooSmallError as refused:
+        if budget_bytes is None or not chain.frozen_prefix:
+            raise
+        found = _least_within(chain, method, budget_bytes, refused)
+    return _stamped(chain, method, found, budget_bytes)
+
+
+# NOTE [ A frozen prefix in the planners ]: the flat planners' closed-form costs (hong-dp,
+# hong-linear, reforward: Note [flat plan peak]) and optimal-time's DP count every stage as one
+# with a backward. The simulator knows ``Chain.frozen_prefix``: a frozen stage stored holds
+# nothing and its input gets no gradient, so a plan peaks at most where those planners think, and
+# often below. A segment that checkpoints a frozen embedding with the first block holds the token
+# ids instead of the embeddings: a LoRA GPT-2's least plan simulates at 549,124 B where hong-dp's
+# own costs say 563,972 B. So a planner refused budgets its own least plan meets (least_peak is
+# that plan's simulated peak) and auto(compile=) crashed planning at it. Here, the one place
+# every chain plan is made: where a planner refuses a budget on a chain with a frozen prefix,
+# its plan without a budget runs if the simulator puts it within, else the refusal names the
+# lower of the two minima; :func:`least_peak` names that lower one too (optimal-time's own least
+# is its DP's, above the simulated peak of its plan without a budget on some frozen chains).
+def _least_within(chain: Chain, method: str, budget: int, refused: BudgetTooSmallError) -> Plan:
+    """``method``'s plan without a budget if its simulated peak fits ``budget`` (NOTE [ A frozen
+    prefix in the planners ]), else ``refused`` naming the least simulated peak known."""
+    least = _least_or_none(chain, method, budget)
+    if least is not None:
+        return least
+    peak = _simulated_peak(chain, _no_budget_plan(chain, method))
+    raise BudgetTooSmallError(
+        budget, min(refused.minimum_bytes, peak), method, refused.detail
+    ) from None
+
+
+def _least_or_none(chain: Chain, method: str, budget: int) -> Plan | None:
+    """:func:`_least_within` for a budget a planner's sweep found nothing at, None if nothing fits."""
+    least = _no_budget_plan(chain, method)
+    return least if _simulated_peak(chain, least) <= budget else None
+
+
+def _simulated_peak(chain: Chain, plan: Plan) -> int:
+    return simulate(chain, plan.for_graph(chain)).peak_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _no_budget_plan(chain: Chain, method: str) -> Plan:
+    """``method``'s plan of ``chain`` without a budget (a sweep over budgets asks it again for each)."""
+    return get(method)(chain, None)
 
 
 def plan_graph(
@@ -326,6 +373,8 @@ def sweep(structure: Any, method: str, budgets: Iterable[int], **options: Any) -
         )
     stamped: list[Any] = []
     for budget, found in zip(budgets, plans, strict=True):
+        if found is None and kind == "chain" and structure.frozen_prefix:
+            found = _least_or_none(structure, method, budget)  # NOTE [ A frozen prefix ...
         try:
             stamped.append(None if found is None else _stamped(structure, method, found, budget))
         except BudgetTooSmallError:
@@ -343,9 +392,12 @@ def least_peak(structure: Any, method: str, **options: Any) -> int:
     if kind == "graph" and _via_chain(structure, method) and not options:
         return least_peak(structure.to_chain(), method)
     own = getattr(get(method, kind), "least_peak", None)
-    if own is not None:
-        return int(own(structure, **options))
-    return _plan(structure, method, None, **options).predicted_peak_bytes or 0
+    if own is None:
+        return _plan(structure, method, None, **options).predicted_peak_bytes or 0
+    least = int(own(structure, **options))
+    if kind == "chain" and structure.frozen_prefix:  # NOTE [ A frozen prefix in the planners ]
+        least = min(least, _simulated_peak(structure, _no_budget_plan(structure, method)))
+    return least
 
 
 sweep_graph = sweep
