@@ -274,29 +274,20 @@ def plan_chain(
 def _least_within(chain: Chain, method: str, budget: int, refused: BudgetTooSmallError) -> Plan:
     """``method``'s plan without a budget if its simulated peak fits ``budget`` (NOTE [ A frozen
     prefix in the planners ]), else ``refused`` naming the least simulated peak known."""
-    least = _least_or_none(chain, method, budget)
-    if least is not None:
+    least, peak = _no_budget_plan(chain, method)
+    if peak <= budget:
         return least
-    peak = _simulated_peak(chain, _no_budget_plan(chain, method))
     raise BudgetTooSmallError(
         budget, min(refused.minimum_bytes, peak), method, refused.detail
     ) from None
 
 
-def _least_or_none(chain: Chain, method: str, budget: int) -> Plan | None:
-    """:func:`_least_within` for a budget a planner's sweep found nothing at, None if nothing fits."""
-    least = _no_budget_plan(chain, method)
-    return least if _simulated_peak(chain, least) <= budget else None
-
-
-def _simulated_peak(chain: Chain, plan: Plan) -> int:
-    return simulate(chain, plan.for_graph(chain)).peak_bytes
-
-
 @functools.lru_cache(maxsize=64)
-def _no_budget_plan(chain: Chain, method: str) -> Plan:
-    """``method``'s plan of ``chain`` without a budget (a sweep over budgets asks it again for each)."""
-    return get(method)(chain, None)
+def _no_budget_plan(chain: Chain, method: str) -> tuple[Plan, int]:
+    """``method``'s plan of ``chain`` without a budget and its simulated peak (a sweep over
+    budgets asks for it again at each)."""
+    plan = get(method)(chain, None)
+    return plan, simulate(chain, plan.for_graph(chain)).peak_bytes
 
 
 def plan_graph(
@@ -374,7 +365,8 @@ def sweep(structure: Any, method: str, budgets: Iterable[int], **options: Any) -
     stamped: list[Any] = []
     for budget, found in zip(budgets, plans, strict=True):
         if found is None and kind == "chain" and structure.frozen_prefix:
-            found = _least_or_none(structure, method, budget)  # NOTE [ A frozen prefix ...
+            plan, peak = _no_budget_plan(structure, method)  # NOTE [ A frozen prefix ...
+            found = plan if peak <= budget else None
         try:
             stamped.append(None if found is None else _stamped(structure, method, found, budget))
         except BudgetTooSmallError:
@@ -396,7 +388,7 @@ def least_peak(structure: Any, method: str, **options: Any) -> int:
         return _plan(structure, method, None, **options).predicted_peak_bytes or 0
     least = int(own(structure, **options))
     if kind == "chain" and structure.frozen_prefix:  # NOTE [ A frozen prefix in the planners ]
-        least = min(least, _simulated_peak(structure, _no_budget_plan(structure, method)))
+        least = min(least, _no_budget_plan(structure, method)[1])
     return least
 
 
