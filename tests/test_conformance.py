@@ -192,13 +192,6 @@ def test_auto_compiled_trains_the_model_within_the_budget_with_eager_gradients(n
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (issue #19, docs/results/conformance/FINDINGS.md): compiled RegNet's plan "
-    "[1-3] (4) [5-8] as one graph updates batch-norm statistics twice (num_batches_tracked 2, "
-    "trunk_output.block1's norms); the gradients equal eager's; cause not found yet (not "
-    "dynamo's recompile limit: raised to 64 it still fails)",
-)
 def test_auto_compiled_regnet_updates_batch_norm_once() -> None:
     record = run_case(
         "tv-regnet", "loss_fn", 0.5, compile={"backend": "aot_eager_decomp_partition"}

@@ -13,6 +13,8 @@ Timings (remat vs torch's checkpoint at the same plan) are in
 from __future__ import annotations
 
 import copy
+import io
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -259,10 +261,19 @@ def test_step_state_walks_every_parameter() -> None:
     assert not step_state(model)[0]
 
 
-def test_a_deepcopy_runs_its_own_modules() -> None:
-    """The executor's program holds objects, not closures: a ``copy.deepcopy`` of a planned
-    module (every kind of segment, batch norm's buffer guard) trains its own parameters and
-    buffers, equal to an unplanned copy, and leaves the original untouched."""
+def _saved_and_loaded(module: nn.Module) -> nn.Module:
+    saved = io.BytesIO()
+    torch.save(module, saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=False)
+
+
+@pytest.mark.parametrize("copied", [copy.deepcopy, _saved_and_loaded])
+def test_a_copy_runs_its_own_modules(copied: Callable[[nn.Module], nn.Module]) -> None:
+    """The executor's program holds objects, or closures made anew when copied: a
+    ``copy.deepcopy`` of a planned module, or one saved and loaded (every kind of segment,
+    batch norm's buffer guard), trains its own parameters and buffers, equal to an unplanned
+    copy, and leaves the original untouched."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(3):
@@ -277,7 +288,7 @@ def test_a_deepcopy_runs_its_own_modules() -> None:
     )
     planned = apply(model, plan)
     before = copy.deepcopy(model.state_dict())
-    twin = copy.deepcopy(planned)
+    twin = copied(planned)
     reference = copy.deepcopy(model)
     x = torch.randn(4, 8)
     twin(x).sum().backward()

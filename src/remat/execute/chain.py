@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import logging
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,6 +46,7 @@ import torch._functorch.config as _functorch_config
 from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from remat.capture.chain import compile_stages, no_autocast_cache
 from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
@@ -474,13 +476,34 @@ class _CheckpointedSegment:
     children: tuple[Any, ...]
     """The program of its sub-plan."""
     options: dict[str, Any]
-    """``checkpoint``'s keyword arguments in eager mode (with the buffer guard's
-    ``context_fn`` where the segment has buffers)."""
-    traced_options: dict[str, Any]
-    """Those without the buffer guard, under ``torch.compile`` of the planned module."""
+    """``checkpoint``'s keyword arguments (with the buffer guard's ``context_fn`` where the
+    segment has buffers: :func:`_buffer_contexts`)."""
     run_tensor: Callable[[torch.Tensor], Any]
     """What the checkpoint runs for a tensor input: the stage module itself for a segment of
     one stored stage (as a hand loop of ``checkpoint(module, a)`` does), else its program."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (pickle and copy.deepcopy take a closure by reference: the copy's buffer guard is
+        # made anew around the copy's buffers, so that a copy of a planned module guards its
+        # own, and a saved one loads)
+        options = dict(self.options)
+        made_of = options.pop("context_fn").made_of if "context_fn" in options else None
+        fields = (self.start, self.name, self.children, options, self.run_tensor)
+        return (_rebuilt_segment, (*fields, made_of))
+
+
+def _rebuilt_segment(
+    start: int,
+    name: str,
+    children: tuple[Any, ...],
+    options: dict[str, Any],
+    run_tensor: Callable[[torch.Tensor], Any],
+    made_of: tuple[_SegmentBuffers, bool] | None,
+) -> _CheckpointedSegment:
+    """A copied or loaded :class:`_CheckpointedSegment` (its ``__reduce__``)."""
+    if made_of is not None:
+        options = {**options, "context_fn": _buffer_contexts(*made_of)}
+    return _CheckpointedSegment(start, name, children, options, run_tensor)
 
 
 class _Executor:
@@ -502,6 +525,10 @@ class _Executor:
         self.tree = plan.chain_segments(stages.n)
         """The plan as the stage tree the nested checkpoints run."""
         self.early_stop = early_stop
+        self.pause_updates = compile_options is None
+        """Whether a recomputation pauses batch norm's update rather than running on copies of
+        its statistics (:class:`_BuffersWrittenOnce`): only when nothing is compiled, since a
+        compiled frame would be specialised on the paused attributes and compiled again."""
         self._buffers: dict[tuple[int, int], _SegmentBuffers] = {}
         for seg in (s for top in self.tree for s in top.walk()):
             if seg.checkpoint:
@@ -563,18 +590,13 @@ class _Executor:
         if not self.early_stop:
             options["early_stop"] = False
         buffers = self._buffers[(seg.start, seg.stop)]
-        eager_options = options
         if buffers.slots:
-            # (under torch.compile of the planned module, AOTAutograd applies a buffer mutation
-            # once: no fix needed)
-            context_fn = _BufferContexts(buffers, pause=self.compiled is None)
-            eager_options = {**options, "context_fn": context_fn}
+            options["context_fn"] = _buffer_contexts(buffers, pause=self.pause_updates)
         children = self._program(seg.children)
         return _CheckpointedSegment(
             seg.start,
             self.stages.names[seg.start - 1],
             children,
-            eager_options,
             options,
             _tensor_runner(self, children),
         )
@@ -599,7 +621,7 @@ class _Executor:
         # it until its backward, and an inner checkpoint's input would never be freed.
         if isinstance(a, torch.Tensor):  # the common case: no flattening
             if torch.compiler.is_compiling():  # (see below)
-                return checkpoint(seg.run_tensor, a, **seg.traced_options)
+                return checkpoint(seg.run_tensor, a, **seg.options)
             version = tensor_version(a)
             out = checkpoint(seg.run_tensor, a, **seg.options)
             if tensor_version(a) != version:  # the recomputation would start from other values
@@ -622,10 +644,11 @@ class _Executor:
         run_children = _segment_runner(self, seg.children, positions, template, spec)
         del a
         if torch.compiler.is_compiling():
-            # (torch.compile of the planned module by hand: AOTAutograd functionalizes in-place
-            # ops, so the recomputation reads the values the forward read, and applies a buffer
-            # mutation once; comparing versions would be a graph break)
-            return checkpoint(run_children, *tensors, **seg.traced_options)
+            # (traced by torch.compile: AOTAutograd functionalizes in-place ops, so the
+            # recomputation reads the values the forward read, and applies a buffer mutation
+            # once, NOTE [ The buffer guard under torch.compile ]; comparing versions would be
+            # a graph break)
+            return checkpoint(run_children, *tensors, **seg.options)
         versions = _versions(tensors)
         out = checkpoint(run_children, *tensors, **seg.options)
         if _versions(tensors) != versions:  # the recomputation would start from other values
@@ -653,36 +676,16 @@ class _Executor:
     # (GPT-2 124M on an H100: 5,398,799,872 B measured, the stages' least 6,631,674,904 B;
     # an 8-block MLP on the CPU: 412,424 B against 448,856 B). Nested plans run
     # a graph per stage: in one graph the partitioner kept every activation of the outer
-    # segment. The traced code is the executor without the eager memory hygiene (``del``,
-    # versions, buffer copies): the compiler frees each tensor after its last use and
-    # functionalises buffer updates (applied once per step).
+    # segment. The traced code is the executor's own program (:meth:`run`): traced, it skips
+    # the version checks (the compiler functionalises in-place ops, and applies buffer updates
+    # once per step); where dynamo cannot trace part of it (a graph break) that part runs as
+    # the eager executor does, buffer guard included (NOTE [ The buffer guard under
+    # torch.compile ]). A copy of the executor for tracing had no guard: RegNet's first stage
+    # (the blocks family's, which runs hooks) sent its loop to eager, where batch norm's
+    # statistics were updated twice.
     def _traced_step(self, args: tuple, kwargs: dict) -> Any:
         stages = self.stages
-        a = self._traced_segments(self.tree, stages.prepare(*args, **kwargs))
-        return stages.finish(a, *args, **kwargs)
-
-    def _traced_segments(self, segments: Sequence[ChainSegment], a: Any) -> Any:
-        modules = self.stages.modules
-        for seg in segments:
-            if not seg.checkpoint:
-                for i in seg.stages():
-                    a = modules[i - 1](a)
-                continue
-            leaves, spec = tree_flatten(a)
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-            def run_children(
-                *ts: torch.Tensor,
-                children: Any = seg.children,
-                leaves: Any = leaves,
-                spec: Any = spec,
-            ) -> Any:
-                it = iter(ts)
-                rebuilt = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-                return self._traced_segments(children, tree_unflatten(rebuilt, spec))
-
-            a = checkpoint(run_children, *tensors, use_reentrant=False, preserve_rng_state=True)
-        return a
+        return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
 
     def step(self, args: tuple, kwargs: dict) -> Any:
         """A compiled training forward (:attr:`compiles` must be true): in one-graph mode the
@@ -727,7 +730,8 @@ class _Executor:
             from torch._dynamo.utils import counters
 
             before = dict(counters["graph_break"])
-            out = self.compiled_step(args, kwargs)
+            with _no_context_fn_advice():
+                out = self.compiled_step(args, kwargs)
         self._compiled_once = True
         breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
         breaks = {k: v for k, v in breaks.items() if v > 0}
@@ -758,6 +762,26 @@ def _configs_set(settings: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
     finally:
         for module, name, old in reversed(saved):
             setattr(module, name, old)
+
+
+class _DropContextFnAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _no_context_fn_advice() -> Iterator[None]:
+    """Without torch's log line, while a one-graph step compiles, that a checkpoint's
+    ``context_fn`` must not hold in-place ops: the advice is for selective checkpointing's
+    saved ops, and remat's ``context_fn`` recomputes every op under torch.compile as compile's
+    own default does (NOTE [ The buffer guard under torch.compile ])."""
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    drop = _DropContextFnAdvice()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -870,16 +894,38 @@ class _RunProgram:
         return self.executor._run_program(self.children, t)
 
 
-class _BufferContexts:
-    """A checkpointed segment's ``context_fn``: a new :class:`_BuffersWrittenOnce` pair for
-    every forward."""
+# NOTE [ The buffer guard under torch.compile ]: a checkpointed segment's ``context_fn`` is
+# the same function in eager and compiled steps, and decides when it is called. Traced by
+# torch.compile (``torch.compiler.is_compiling()``: dynamo hands the function to AOTAutograd,
+# which calls it while it traces the checkpoint) it returns the contexts compile uses for a
+# checkpoint without one (every op recomputed): AOTAutograd functionalizes the segment, so its
+# buffer updates are applied once. Called in an eager step it returns the buffer guard
+# (:class:`_BuffersWrittenOnce`). Both at once is why the choice waits for the call: when dynamo
+# cannot trace a checkpoint (a graph break inside the segment) it runs that ``checkpoint`` call
+# eagerly with the arguments it traced, so a guard left out while tracing would be left out of
+# an eager recomputation too, and batch norm's statistics updated twice (a stage calling
+# ``torch._dynamo.graph_break()``: num_batches_tracked 2). Dynamo takes a ``context_fn`` only
+# as a plain function or a partial of constants, hence a closure; its segment makes it anew
+# when copied or loaded (:meth:`_CheckpointedSegment.__reduce__`). Under torch.compile's
+# ``backend="eager"`` (a debugging backend that runs dynamo's graph as it is) batch norm in a
+# checkpoint fails in the backward, with or without remat: the graph holds the buffers.
+def _buffer_contexts(buffers: _SegmentBuffers, pause: bool) -> Callable[[], tuple[Any, Any]]:
+    """A checkpointed segment's ``context_fn`` (NOTE [ The buffer guard under torch.compile ]):
+    a new :class:`_BuffersWrittenOnce` pair for every eager forward."""
 
-    def __init__(self, buffers: _SegmentBuffers, pause: bool) -> None:
-        self.buffers = buffers
-        self.pause = pause
+    def context_fn() -> tuple[Any, Any]:
+        if torch.compiler.is_compiling():
+            return create_selective_checkpoint_contexts(_recompute)
+        return _BuffersWrittenOnce(buffers, pause=pause).pair()
 
-    def __call__(self) -> tuple[Any, Any]:
-        return _BuffersWrittenOnce(self.buffers, pause=self.pause).pair()
+    context_fn.made_of = (buffers, pause)  # type: ignore[attr-defined]  # (for deepcopy)
+    return context_fn
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpoint policy of a compiled checkpoint without one: every op
+    recomputed (torch's own default)."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _tensor_runner(executor: _Executor, children: tuple[Any, ...]) -> Callable[..., Any]:
