@@ -161,6 +161,47 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
     )
 
 
+@pytest.mark.parametrize("fraction", ["80%", "least"])
+def test_a_target_the_loss_reads_from_its_closure_is_predicted(fraction: str) -> None:
+    # The classifier's targets (8 bytes a sample) live all step; the compiled capture counted
+    # them as saved by the last stage only and the one-graph measurement (batch-only inputs) not
+    # at all: every compiled classifier of the conformance run measured 8 bytes a sample above
+    # its prediction (64 B for a CNN at batch 8), and ResNet-10 at its named least was over it
+    model = mlp(width=16, depth=6)
+    model.append(nn.Linear(16, 10))
+    x = torch.randn(512, 16)
+    target = torch.randint(0, 10, (512,))  # 4 KiB
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(b), target)
+
+    def auto(budget: Any) -> tuple[nn.Module, Any]:
+        torch._dynamo.reset()
+        return remat.auto(
+            copy.deepcopy(model),
+            x,
+            loss_fn=loss,
+            budget=budget,
+            compile=PARTITIONER,
+            loop="loss-only",
+        )
+
+    budget: Any = fraction
+    if fraction == "least":
+        with pytest.raises(remat.BudgetTooSmallError) as info:
+            auto(1)
+        budget = info.value.minimum_bytes
+    planned, summary = auto(budget)
+    # measured as the conformance run measures it: the target is one of the step's inputs
+    measured = step_peak_bytes(step_of(planned, loss, x), planned, None, (x, target))
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        measured,
+        summary.predicted_peak_bytes,
+        summary.budget_bytes,
+        summary.compiled,
+    )
+
+
 @pytest.mark.parametrize("checkpoints", [[3, 6, 9], [2, 8]])
 def test_compiled_plan_recomputes_its_segments(checkpoints: Any) -> None:
     # the partitioner saves a checkpointed segment's input only: fewer saved bytes than the

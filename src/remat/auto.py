@@ -954,7 +954,7 @@ def _auto(
 
         def measure(p: Plan) -> int:
             trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
-            return _one_graph_peak(model, trial, call_loss, (args, kwargs))
+            return _one_graph_peak(model, trial, call_loss, (args, kwargs), new.external_bytes)
 
         with _for_new_inputs(args, kwargs, now.live):
             try:
@@ -980,7 +980,8 @@ def _auto(
 
         def measure_first(p: Plan) -> int:
             trials[describe_compiled(p)] = trial = build(as_one_graph(p))
-            return _one_graph_peak(model, trial, loss_fn or default_loss_fn, batch)
+            loss = loss_fn or default_loss_fn
+            return _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
 
         if refused is not None:
             fit = step.fit_below_least(captured, refused, None, measure_first)
@@ -1401,11 +1402,15 @@ def _one_graph_peak(
     planned: nn.Module,
     loss: Callable[[nn.Module, Any], torch.Tensor],
     inputs: Any,
+    external_bytes: int = 0,
 ) -> int:
     """The measured peak of one training step of ``planned`` (a one-graph compiled plan: an
     untimed first step compiles it): ``loss(planned, inputs)``, its backward, gradients set
     to None; the allocator's events on a CPU, ``max_memory_allocated`` on CUDA. The model's
-    gradients, buffers and RNG state are put back, and it runs on a copy of ``inputs``."""
+    gradients, buffers and RNG state are put back, and it runs on a copy of ``inputs``.
+    ``external_bytes`` (:attr:`remat.capture.chain.Captured.external_bytes`: a target the loss
+    reads from its closure) is added on a CPU: allocated before the step, the step's events
+    do not show it, and the chain it is compared with counts it with its input."""
     buffers = BufferSnapshot(model)
     grads = {p: p.grad for p in model.parameters()}
     private = BatchCopy(inputs)
@@ -1423,8 +1428,8 @@ def _one_graph_peak(
             p.grad = None
         with torch.random.fork_rng(devices=devices), garbage_collected():
             if cuda:
-                return cuda_step_peak_bytes(step)
-            return step_peak_bytes(step, model, None, private.batch)
+                return cuda_step_peak_bytes(step)  # (the device's all: the target too)
+            return step_peak_bytes(step, model, None, private.batch) + external_bytes
     finally:
         buffers.restore()
         for p, g in grads.items():

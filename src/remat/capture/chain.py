@@ -152,6 +152,11 @@ class Captured:
     """Per stage, ``(forward, backward)`` allocator-only bytes below 1 KiB at its peaks
     (:attr:`StageCost.small_scratch_bytes`): :attr:`remat.core.step.StepCosts.
     op_scratch_bytes`. Empty when unknown (fake tensors)."""
+    external_bytes: int = 0
+    """Bytes of the storages the stages saved that the step did not make and the batch does
+    not hold (:attr:`StageCost.external`: a target ``loss_fn`` reads from its closure),
+    counted in ``chain.input_bytes``: a step measured with only the batch as its inputs does
+    not count them (:func:`remat.auto._one_graph_peak` adds them)."""
     recompute_kept_bytes: tuple[int, ...] = ()
     """Per stage, the batch-norm running statistics (training mode) of its modules that the
     chain executor copies when it recomputes the stage (all under per-stage compile; eager,
@@ -290,7 +295,7 @@ def _capture(
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
-            chain, rises, output, kept, small = _measure_chain(
+            chain, rises, output, kept, small, external = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -302,7 +307,7 @@ def _capture(
         try:
             with torch.random.fork_rng(devices=devices):
                 calls = None if compile is None else compile_stages(split, compile)
-                chain, rises, output, kept, small = _measure_chain(
+                chain, rises, output, kept, small, external = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
             copies = writes.written_bytes()
@@ -319,6 +324,7 @@ def _capture(
         *output,
         small_scratch_bytes=small,
         forward_kept_bytes=kept,
+        external_bytes=external,
         recompute_kept_bytes=stats if any(stats) else (),
         buffer_copy_bytes=copies if any(copies) else (),
     )
@@ -482,10 +488,15 @@ def _measure_chain(
     time_model: TimeModel | None = None,
     calls: Sequence[Callable[[Any], Any]] | None = None,
 ) -> tuple[
-    Chain, tuple[int, ...], tuple[int, int, bool], tuple[int, ...], tuple[tuple[int, int], ...]
+    Chain,
+    tuple[int, ...],
+    tuple[int, int, bool],
+    tuple[int, ...],
+    tuple[tuple[int, int], ...],
+    int,
 ]:
     """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
-    measured by :func:`measure_compiled_stage`)."""
+    measured by :func:`measure_compiled_stage`). The last item is :attr:`Captured.external_bytes`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -638,6 +649,7 @@ def _measure_chain(
         held[0] if held else (0, 0, False),
         tuple(c.kept_scalar_bytes for c in costs),
         tuple(c.small_scratch_bytes for c in costs),
+        sum(external.values()),
     )
 
 
@@ -827,13 +839,16 @@ def measure_compiled_stage(
         reset()
 
     one_step()
+    external = _external_saved(run, x, inputs, pack, saved)
     inputs.restore()
     fwd_alloc, bwd_alloc = AllocatorWindow(device), AllocatorWindow(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, _identity), fwd_alloc:
         out = run(_entered(x))
     out_tensors = _tensors(out)
     new_out = {k: v for k, v in _keys(out_tensors).items() if k not in skip}
-    saved_bytes = sum({**saved, **new_out}.values())
+    saved_bytes = sum({**saved, **new_out}.values()) - sum(
+        v for k, v in external.items() if k in saved and k not in new_out
+    )
     seed, grad_bytes = _seed(out_tensors)
     next_input = tree_map_only(torch.Tensor, _fresh_copy, out)
     del out, out_tensors
@@ -861,8 +876,37 @@ def measure_compiled_stage(
         grad_rise_bytes=made,
         fwd_time=fwd_time,
         bwd_time=bwd_time,
+        external=external,
     )
     return cost, next_input
+
+
+def _external_saved(
+    run: Callable[[Any], Any],
+    x: Any,
+    inputs: BatchCopy,
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    saved: dict[int, int],
+) -> dict[int, int]:
+    """:attr:`StageCost.external` of a compiled stage: the storages its forward saves that it
+    did not make (a target ``loss_fn`` reads from its closure), found on one forward run
+    eagerly (``torch.compiler.set_stance("force_eager")``: the op-level count of the storages
+    made is a TorchDispatchMode, which compiled kernels bypass). Which tensors from outside a
+    stage reads is its Python code's, the same compiled; without it, a classifier's target
+    (8 bytes a sample) was counted as saved until the last stage's backward, not for the
+    whole step as the step measures it. ``saved`` is the dict ``pack`` fills, emptied after."""
+    inputs.restore()
+    with (
+        torch.compiler.set_stance("force_eager"),
+        torch.autograd.graph.saved_tensors_hooks(pack, _identity),
+        _MadeStorages() as made,
+    ):
+        out = run(_entered(x))
+    new_out = _keys(_tensors(out))
+    del out
+    external = {k: v for k, v in saved.items() if k not in made.keys and k not in new_out}
+    saved.clear()  # (``pack`` skips ``skip``: the inputs, parameters and buffers)
+    return external
 
 
 def _timed_runs(
