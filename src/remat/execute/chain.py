@@ -909,6 +909,10 @@ class _RunProgram:
 # when copied or loaded (:meth:`_CheckpointedSegment.__reduce__`). Under torch.compile's
 # ``backend="eager"`` (a debugging backend that runs dynamo's graph as it is) batch norm in a
 # checkpoint fails in the backward, with or without remat: the graph holds the buffers.
+# Given a ``context_fn``, torch logs once that the region must hold no in-place op; advice for
+# selective checkpointing's saved ops, not for this one that recomputes every op: a one-graph
+# step drops that line (:func:`_no_context_fn_advice`), ``torch.compile(planned)`` by hand
+# shows it.
 def _buffer_contexts(buffers: _SegmentBuffers, pause: bool) -> Callable[[], tuple[Any, Any]]:
     """A checkpointed segment's ``context_fn`` (NOTE [ The buffer guard under torch.compile ]):
     a new :class:`_BuffersWrittenOnce` pair for every eager forward."""
