@@ -98,6 +98,14 @@ def step_of(module: nn.Module, loss: Any, batch: Any) -> Any:
     return step
 
 
+def auto_on_a_copy(model: nn.Module, x: torch.Tensor, loss: Any, budget: Any) -> Any:
+    """``remat.auto`` compiled (loss-only loop) on a copy of ``model``, dynamo reset first."""
+    torch._dynamo.reset()
+    return remat.auto(
+        copy.deepcopy(model), x, loss_fn=loss, budget=budget, compile=PARTITIONER, loop="loss-only"
+    )
+
+
 def graphs_and_breaks() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
@@ -176,15 +184,7 @@ def test_a_target_the_loss_reads_from_its_closure_is_predicted(fraction: str) ->
         return nn.functional.cross_entropy(m(b), target)
 
     def auto(budget: Any) -> tuple[nn.Module, Any]:
-        torch._dynamo.reset()
-        return remat.auto(
-            copy.deepcopy(model),
-            x,
-            loss_fn=loss,
-            budget=budget,
-            compile=PARTITIONER,
-            loop="loss-only",
-        )
+        return auto_on_a_copy(model, x, loss, budget)
 
     budget: Any = fraction
     if fraction == "least":
@@ -239,15 +239,7 @@ def test_compiled_peak_stays_under_each_byte_budget_as_the_budget_falls() -> Non
     eager_compiled = step_peak_bytes(step_of(plain, loss, x), plain, None, x)
 
     def auto(budget: int) -> tuple[nn.Module, Any]:
-        torch._dynamo.reset()
-        return remat.auto(
-            copy.deepcopy(model),
-            x,
-            loss_fn=loss,
-            budget=budget,
-            compile=PARTITIONER,
-            loop="loss-only",
-        )
+        return auto_on_a_copy(model, x, loss, budget)
 
     with pytest.raises(remat.BudgetTooSmallError) as info:
         auto(1)
