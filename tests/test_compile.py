@@ -320,6 +320,62 @@ def test_a_graph_break_inside_a_checkpointed_segment_updates_batch_norm_once() -
         torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(h))) + h
+
+
+class _LoopOverBlocks(nn.Module):
+    """A model whose forward loops over its blocks: remat's generic blocks family, whose first
+    and last stages run the model's own forward with hooks (untraceable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_Residual() for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [
+        ((1, 1), (2, 3, True), (4, 6)),  # the first and last stages stored
+        ((1, 1, True), (2, 3, True), (4, 5, True), (6, 6, True)),  # each checkpointed alone
+    ],
+)
+def test_the_blocks_familys_one_graph_step_is_one_graph(segments: Any) -> None:
+    # the stages dynamo cannot trace run eagerly around the graph (NOTE [ Stages run eagerly
+    # around the graph ]): before, BERT's step broke into 11 graphs at 9 breaks
+    torch.manual_seed(0)
+    model = _LoopOverBlocks()
+    assert remat.capture_chain(model, torch.randn(8, 8)).n == 6
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    plan = remat.Plan.from_chain_segments(tuple(ChainSegment(*s) for s in segments))
+    planned = remat.apply(model, plan, compile=PARTITIONER, one_graph=True)
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned(x).sum().backward()
+    assert graphs_and_breaks() == (1, 0), dict(counters["graph_break"])
+    assert not [w for w in caught if "graph break" in str(w.message)]
+    reference(x).sum().backward()
+    assert_equal_grads(model, reference)
+    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
 def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size(
     partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch

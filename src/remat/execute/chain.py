@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from remat.capture.chain import compile_stages, no_autocast_cache
-from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages
+from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages, traceable
 from remat.core.errors import RematError
 from remat.core.plan import ChainSegment, Plan, PlanError
 from remat.guards import (
@@ -539,25 +539,31 @@ class _Executor:
         self.compiled_step: Callable[..., Any] | None = None
         """The whole training forward as one compiled graph (one-graph mode), else None."""
         self._compiled_once = False
-        if compile_options is not None and one_graph_plan(plan):
-            # NOTE [ One compiled graph ]: one compiled function per plan (static shapes: a
-            # new input signature gets its own plan, so its own graph)
-            options = {"dynamic": False, **compile_options}
-            traced = types.MethodType(_own_code(_Executor._traced_step), self)
-            self.compiled_step = torch.compile(traced, **options)
-            knob = partitioner_budget(plan)
-            self._configs = (
-                (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
-                *(() if knob is None else ((_functorch_config, "activation_memory_budget", knob),)),
-            )
-            """The compiler settings :meth:`_one_graph_step` runs under."""
-        elif compile_options is not None:
+        one_graph = compile_options is not None and one_graph_plan(plan)
+        if compile_options is not None and not one_graph:
             # each stage its own graph (NOTE [ One graph per stage ]), inside the eager
             # checkpoints (nested ones too); one executor per plan:
             # a new input signature gets its own plan (static shapes: the plan is for these)
             self.compiled = compile_stages(stages, compile_options)
         self.program = self._program(self.tree)
         """The tree as what :meth:`run` walks, made once (NOTE [ The executor's program ])."""
+        self._eager_ends = _eager_ends(self.program) if one_graph else ((), (), ())
+        """``(head, middle, tail)``: in one-graph mode the program's parts at either end that
+        torch.compile cannot trace (NOTE [ Stages run eagerly around the graph ]), run eagerly
+        around the compiled ``middle``; head and tail empty when there are none."""
+        if one_graph:
+            # NOTE [ One compiled graph ]: one compiled function per plan (static shapes: a
+            # new input signature gets its own plan, so its own graph)
+            options = {"dynamic": False, **compile_options}
+            ends = self._eager_ends[0] or self._eager_ends[2]
+            step = _Executor._traced_middle if ends else _Executor._traced_step
+            self.compiled_step = torch.compile(types.MethodType(_own_code(step), self), **options)
+            knob = partitioner_budget(plan)
+            self._configs = (
+                (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
+                *(() if knob is None else ((_functorch_config, "activation_memory_budget", knob),)),
+            )
+            """The compiler settings :meth:`_one_graph_step` runs under."""
 
     @property
     def compiles(self) -> bool:
@@ -687,6 +693,21 @@ class _Executor:
         stages = self.stages
         return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
 
+    def _traced_middle(self, a: Any) -> Any:
+        return self._run_program(self._eager_ends[1], a)
+
+    def _compiled_call(self, args: tuple, kwargs: dict) -> Any:
+        """The one-graph step's forward: the compiled graph, with the stages it cannot trace
+        run eagerly before and after it (NOTE [ Stages run eagerly around the graph ])."""
+        assert self.compiled_step is not None
+        head, _, tail = self._eager_ends
+        if not (head or tail):
+            return self.compiled_step(args, kwargs)
+        stages = self.stages
+        a = self._run_program(head, stages.prepare(*args, **kwargs))
+        a = self._run_program(tail, self.compiled_step(a))
+        return stages.finish(a, *args, **kwargs)
+
     def step(self, args: tuple, kwargs: dict) -> Any:
         """A compiled training forward (:attr:`compiles` must be true): in one-graph mode the
         whole forward as one graph (NOTE [ One compiled graph ]), else ``prepare`` and
@@ -726,12 +747,12 @@ class _Executor:
         # a recompilation dynamo makes later partitions at the same budget
         with _configs_set(self._configs):
             if self._compiled_once:
-                return self.compiled_step(args, kwargs)
+                return self._compiled_call(args, kwargs)
             from torch._dynamo.utils import counters
 
             before = dict(counters["graph_break"])
             with _no_context_fn_advice():
-                out = self.compiled_step(args, kwargs)
+                out = self._compiled_call(args, kwargs)
         self._compiled_once = True
         breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
         breaks = {k: v for k, v in breaks.items() if v > 0}
@@ -782,6 +803,65 @@ def _no_context_fn_advice() -> Iterator[None]:
         yield
     finally:
         log.removeFilter(drop)
+
+
+# NOTE [ Stages run eagerly around the graph ]: a stage module whose class says
+# ``traceable = False`` is code torch.compile cannot trace: the blocks family's first and last
+# stages (remat.capture.stages.families.blocks) run the model's own forward with hooks and
+# patched blocks, and dynamo broke the one-graph step at them (BERT: 11 graphs, 9 breaks;
+# RegNet: 16 breaks) and ran the executor's loop eagerly. At either end of the chain such
+# stages, stored or in checkpointed segments of their own, run eagerly as the eager executor
+# runs them (with ``prepare`` and ``finish``), and the program between them is the one graph:
+# BERT and RegNet compile to one graph without a break. Such a stage in a checkpointed
+# segment with other stages stays in the graph and breaks it (correct, warned, not fused).
+# Per-stage compile runs it eagerly too (remat.capture.chain.compile_stages).
+def _eager_ends(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """``(head, middle, tail)`` of ``program``, each a program (NOTE [ Stages run eagerly
+    around the graph ]): at its start and end, the stored stages torch.compile cannot trace and
+    the checkpointed segments made of such stages alone; and the rest."""
+    items = list(program)
+    head: list[Any] = []
+    tail: list[Any] = []
+    while items:
+        first = items[0]
+        if type(first) is tuple:
+            k = 0
+            while k < len(first) and not traceable(first[k]):
+                k += 1
+            if k:
+                head.append(first[:k])
+            if k < len(first):
+                items[0] = first[k:]
+                break
+            items.pop(0)
+        elif _untraceable(first):
+            head.append(items.pop(0))
+        else:
+            break
+    while items:
+        last = items[-1]
+        if type(last) is tuple:
+            k = len(last)
+            while k > 0 and not traceable(last[k - 1]):
+                k -= 1
+            if k < len(last):
+                tail.insert(0, last[k:])
+            if k:
+                items[-1] = last[:k]
+                break
+            items.pop()
+        elif _untraceable(last):
+            tail.insert(0, items.pop())
+        else:
+            break
+    return tuple(head), tuple(items), tuple(tail)
+
+
+def _untraceable(item: Any) -> bool:
+    """Whether every stage a program item runs is one torch.compile cannot trace."""
+    if type(item) is tuple:
+        return not any(traceable(module) for module in item)
+    return all(_untraceable(child) for child in item.children)
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -72,7 +72,13 @@ from dataclasses import replace
 
 from torch import nn
 
-from remat.capture.stages.base import SUPPORTED_HELP, StageMismatchError, Stages, run_stages
+from remat.capture.stages.base import (
+    SUPPORTED_HELP,
+    StageMismatchError,
+    Stages,
+    run_stages,
+    traceable,
+)
 from remat.capture.stages.base import _run_plain as _run_plain  # the executor's plain run
 from remat.capture.stages.families import FAMILIES
 from remat.capture.stages.named import split_named
@@ -90,6 +96,7 @@ __all__ = [
     "SUPPORTED_HELP",
     "check_no_own_checkpointing",
     "FAMILIES",
+    "traceable",
 ]
 
 

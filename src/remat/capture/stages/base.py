@@ -91,6 +91,14 @@ class Stages:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def traceable(module: Any) -> bool:
+    """Whether torch.compile can trace stage ``module``: false where its class says
+    ``traceable = False`` (the blocks family's first and last stages run the model's own
+    forward with hooks and patched blocks); compiled steps run such a stage eagerly
+    (NOTE [ Stages run eagerly around the graph ] in remat.execute.chain)."""
+    return getattr(module, "traceable", True)
+
+
 def run_stages(stages: Stages, *args: Any, **kwargs: Any) -> Any:
     """Run the stages plainly in order: equals ``model(*args, **kwargs)``."""
     if stages.check is not None:

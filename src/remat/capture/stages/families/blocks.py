@@ -412,6 +412,10 @@ class _Holder(nn.Module):
 class _Prefix(_Holder):
     """The model's forward up to the first block's call: that call's arguments."""
 
+    traceable = False
+    """Hooks raised out of the model's forward: torch.compile cannot trace it (a compiled step
+    runs it eagerly, remat.capture.stages.base.traceable)."""
+
     def __init__(self, spec: _Spec, outside: nn.Module) -> None:
         super().__init__(spec, outside)
         self.used: set[int] = set()
@@ -461,6 +465,10 @@ class _Prefix(_Holder):
 
 class _Suffix(_Holder):
     """The model's forward after its blocks (see the module docstring)."""
+
+    traceable = False
+    """The model's forward re-run with patched blocks and stand-in tensors: torch.compile cannot
+    trace it (a compiled step runs it eagerly, remat.capture.stages.base.traceable)."""
 
     def __init__(self, spec: _Spec, outside: nn.Module, prefix: _Prefix) -> None:
         super().__init__(spec, outside)
