@@ -87,7 +87,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 
-from remat.capture.stages import Stages, split_stages, traceable
+from remat.capture.stages import Stages, split_stages
 from remat.core.chain import Chain
 from remat.core.errors import UnsupportedModelError
 from remat.guards import (
@@ -356,11 +356,7 @@ def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[
     most = max(shared.values(), default=0)
     if most > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = most
-    # (a stage torch.compile cannot trace runs eagerly: NOTE [ Stages run eagerly around the
-    # graph ] in remat.execute.chain)
-    return tuple(
-        torch.compile(module, **opts) if traceable(module) else module for module in split.modules
-    )
+    return tuple(torch.compile(module, **opts) for module in split.modules)
 
 
 # ---------------------------------------------------------------------- implementation

@@ -547,17 +547,30 @@ class _Executor:
             self.compiled = compile_stages(stages, compile_options)
         self.program = self._program(self.tree)
         """The tree as what :meth:`run` walks, made once (NOTE [ The executor's program ])."""
-        self._eager_ends = _eager_ends(self.program) if one_graph else ((), (), ())
+        self._ends = _untraceable_ends(self.program) if one_graph else ((), (), ())
         """``(head, middle, tail)``: in one-graph mode the program's parts at either end that
-        torch.compile cannot trace (NOTE [ Stages run eagerly around the graph ]), run eagerly
-        around the compiled ``middle``; head and tail empty when there are none."""
+        torch.compile cannot trace (NOTE [ Stages outside the graph ]), run before and after
+        the one graph of ``middle``; head and tail empty when there are none."""
+        self._compiled_ends: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        """The head (with ``prepare``) and the tail (with ``finish``), each compiled on its own
+        (NOTE [ Stages outside the graph ]), where there are ends."""
+        self._middle_breaks: dict[Any, int] = {}
         if one_graph:
             # NOTE [ One compiled graph ]: one compiled function per plan (static shapes: a
             # new input signature gets its own plan, so its own graph)
             options = {"dynamic": False, **compile_options}
-            ends = self._eager_ends[0] or self._eager_ends[2]
-            step = _Executor._traced_middle if ends else _Executor._traced_step
-            self.compiled_step = torch.compile(types.MethodType(_own_code(step), self), **options)
+
+            def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+                return torch.compile(types.MethodType(_own_code(fn), self), **options)
+
+            if self._ends[0] or self._ends[2]:
+                self.compiled_step = compiled(_Executor._traced_middle)
+                self._compiled_ends = (
+                    compiled(_Executor._traced_head),
+                    compiled(_Executor._traced_tail),
+                )
+            else:
+                self.compiled_step = compiled(_Executor._traced_step)
             knob = partitioner_budget(plan)
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
@@ -694,19 +707,29 @@ class _Executor:
         return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
 
     def _traced_middle(self, a: Any) -> Any:
-        return self._run_program(self._eager_ends[1], a)
+        return self._run_program(self._ends[1], a)
+
+    def _traced_head(self, args: tuple, kwargs: dict) -> Any:
+        return self._run_program(self._ends[0], self.stages.prepare(*args, **kwargs))
+
+    def _traced_tail(self, a: Any, args: tuple, kwargs: dict) -> Any:
+        return self.stages.finish(self._run_program(self._ends[2], a), *args, **kwargs)
 
     def _compiled_call(self, args: tuple, kwargs: dict) -> Any:
-        """The one-graph step's forward: the compiled graph, with the stages it cannot trace
-        run eagerly before and after it (NOTE [ Stages run eagerly around the graph ])."""
+        """The one-graph step's forward: the one graph, with the ends it cannot hold compiled
+        on their own before and after it (NOTE [ Stages outside the graph ])."""
         assert self.compiled_step is not None
-        head, _, tail = self._eager_ends
-        if not (head or tail):
+        if self._compiled_ends is None:
             return self.compiled_step(args, kwargs)
-        stages = self.stages
-        a = self._run_program(head, stages.prepare(*args, **kwargs))
-        a = self._run_program(tail, self.compiled_step(a))
-        return stages.finish(a, *args, **kwargs)
+        head, tail = self._compiled_ends
+        a = head(args, kwargs)
+        if self._compiled_once:
+            a = self.compiled_step(a)
+        else:  # (the graph breaks warned about are the one graph's: the ends break)
+            before = _graph_breaks()
+            a = self.compiled_step(a)
+            self._middle_breaks = _new_breaks(before)
+        return tail(a, args, kwargs)
 
     def step(self, args: tuple, kwargs: dict) -> Any:
         """A compiled training forward (:attr:`compiles` must be true): in one-graph mode the
@@ -748,14 +771,11 @@ class _Executor:
         with _configs_set(self._configs):
             if self._compiled_once:
                 return self._compiled_call(args, kwargs)
-            from torch._dynamo.utils import counters
-
-            before = dict(counters["graph_break"])
+            before = _graph_breaks()
             with _no_context_fn_advice():
                 out = self._compiled_call(args, kwargs)
         self._compiled_once = True
-        breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
-        breaks = {k: v for k, v in breaks.items() if v > 0}
+        breaks = _new_breaks(before) if self._compiled_ends is None else self._middle_breaks
         if breaks:
             warnings.warn(
                 f"compile=True: torch.compile split the planned forward at {sum(breaks.values())}"
@@ -765,6 +785,18 @@ class _Executor:
                 stacklevel=4,
             )
         return out
+
+
+def _graph_breaks() -> dict[Any, int]:
+    """Dynamo's graph-break counts so far, by reason."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _new_breaks(before: dict[Any, int]) -> dict[Any, int]:
+    """The graph breaks since ``before`` (:func:`_graph_breaks`), by reason."""
+    return {k: n for k, v in _graph_breaks().items() if (n := v - before.get(k, 0)) > 0}
 
 
 @contextlib.contextmanager
@@ -805,19 +837,20 @@ def _no_context_fn_advice() -> Iterator[None]:
         log.removeFilter(drop)
 
 
-# NOTE [ Stages run eagerly around the graph ]: a stage module whose class says
-# ``traceable = False`` is code torch.compile cannot trace: the blocks family's first and last
-# stages (remat.capture.stages.families.blocks) run the model's own forward with hooks and
-# patched blocks, and dynamo broke the one-graph step at them (BERT: 11 graphs, 9 breaks;
-# RegNet: 16 breaks) and ran the executor's loop eagerly. At either end of the chain such
-# stages, stored or in checkpointed segments of their own, run eagerly as the eager executor
-# runs them (with ``prepare`` and ``finish``), and the program between them is the one graph:
-# BERT and RegNet compile to one graph without a break. Such a stage in a checkpointed
-# segment with other stages stays in the graph and breaks it (correct, warned, not fused).
-# Per-stage compile runs it eagerly too (remat.capture.chain.compile_stages).
-def _eager_ends(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
-    """``(head, middle, tail)`` of ``program``, each a program (NOTE [ Stages run eagerly
-    around the graph ]): at its start and end, the stored stages torch.compile cannot trace and
+# NOTE [ Stages outside the graph ]: a stage module whose class says ``traceable = False`` is
+# code torch.compile cannot trace: the blocks family's first and last stages
+# (remat.capture.stages.families.blocks) run the model's own forward with hooks and patched
+# blocks. In the one graph dynamo broke at them (BERT: 11 graphs at 9 breaks; RegNet: 16
+# breaks) and ran the executor's loop eagerly, the blocks compiled frame by frame. At either
+# end of the chain such stages, stored or in checkpointed segments of their own, now run
+# outside the graph, each end (with ``prepare``, or ``finish``) compiled on its own: dynamo
+# still compiles what it can of them frame by frame (a transformers mask is a vmap, slow
+# eagerly: Qwen2's ends run eagerly took its step from 0.75 to 3.8x eager), and the program
+# between them is one graph without a break. Such a stage checkpointed with a block stays in
+# the graph and breaks it (correct, warned, not fused).
+def _untraceable_ends(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """``(head, middle, tail)`` of ``program``, each a program (NOTE [ Stages outside the
+    graph ]): at its start and end, the stored stages torch.compile cannot trace and
     the checkpointed segments made of such stages alone; and the rest."""
     items = list(program)
     head: list[Any] = []

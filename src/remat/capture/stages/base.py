@@ -92,10 +92,10 @@ class Stages:
 
 
 def traceable(module: Any) -> bool:
-    """Whether torch.compile can trace stage ``module``: false where its class says
-    ``traceable = False`` (the blocks family's first and last stages run the model's own
-    forward with hooks and patched blocks); compiled steps run such a stage eagerly
-    (NOTE [ Stages run eagerly around the graph ] in remat.execute.chain)."""
+    """Whether torch.compile can trace stage ``module`` into one graph: false where its class
+    says ``traceable = False`` (the blocks family's first and last stages run the model's own
+    forward with hooks and patched blocks); a one-graph step runs such a stage outside its
+    graph (NOTE [ Stages outside the graph ] in remat.execute.chain)."""
     return getattr(module, "traceable", True)
 
 

@@ -413,8 +413,8 @@ class _Prefix(_Holder):
     """The model's forward up to the first block's call: that call's arguments."""
 
     traceable = False
-    """Hooks raised out of the model's forward: torch.compile cannot trace it (a compiled step
-    runs it eagerly, remat.capture.stages.base.traceable)."""
+    """Hooks raised out of the model's forward: torch.compile cannot trace it into one graph
+    (remat.capture.stages.base.traceable)."""
 
     def __init__(self, spec: _Spec, outside: nn.Module) -> None:
         super().__init__(spec, outside)
@@ -468,7 +468,7 @@ class _Suffix(_Holder):
 
     traceable = False
     """The model's forward re-run with patched blocks and stand-in tensors: torch.compile cannot
-    trace it (a compiled step runs it eagerly, remat.capture.stages.base.traceable)."""
+    trace it into one graph (remat.capture.stages.base.traceable)."""
 
     def __init__(self, spec: _Spec, outside: nn.Module, prefix: _Prefix) -> None:
         super().__init__(spec, outside)
