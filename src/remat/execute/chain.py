@@ -744,13 +744,10 @@ class _Executor:
         stages = self.stages
         if self._compiled_once:
             return stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
-        from torch._dynamo.utils import counters
-
-        before = dict(counters["graph_break"])
+        before = _graph_breaks()
         out = stages.finish(self.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
         self._compiled_once = True
-        breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items()}
-        breaks = {k: v for k, v in breaks.items() if v > 0}
+        breaks = _new_breaks(before)
         if breaks:
             warnings.warn(
                 f"compile=True: torch.compile split a stage at {sum(breaks.values())} graph "
