@@ -348,15 +348,16 @@ class _LoopOverBlocks(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "segments",
+    ("segments", "around"),
     [
-        ((1, 1), (2, 3, True), (4, 6)),  # the first and last stages stored
-        ((1, 1, True), (2, 3, True), (4, 5, True), (6, 6, True)),  # each checkpointed alone
+        (((1, 1), (2, 3, True), (4, 6)), True),  # the first and last stages stored
+        (((1, 1, True), (2, 3, True), (4, 5, True), (6, 6, True)), False),  # each alone
     ],
 )
-def test_the_blocks_familys_one_graph_step_is_one_graph(segments: Any) -> None:
-    # the stages dynamo cannot trace run outside the graph (NOTE [ Stages outside the graph ]):
-    # before, BERT's step broke into 11 graphs at 9 breaks
+def test_the_blocks_familys_one_graph_step_is_one_graph(segments: Any, around: bool) -> None:
+    # before, BERT's step broke into 11 graphs at 9 breaks. Stored ends: the model's own
+    # forward is the one graph (NOTE [ The model's forward around the blocks ]); checkpointed
+    # ones run outside it (NOTE [ Stages outside the graph ])
     torch.manual_seed(0)
     model = _LoopOverBlocks()
     assert remat.capture_chain(model, torch.randn(8, 8)).n == 6
@@ -369,13 +370,68 @@ def test_the_blocks_familys_one_graph_step_is_one_graph(segments: Any) -> None:
         warnings.simplefilter("always")
         planned(x).sum().backward()
     executor = planned._executor
-    assert executor._compiled_ends is not None  # the first and last stages outside the graph
-    assert executor._middle_breaks == {}  # one graph between them
+    if around:
+        assert executor._around is not None and executor._compiled_ends is None
+        assert counters["stats"]["unique_graphs"] == 1
+        assert not counters["graph_break"]
+    else:
+        assert executor._around is None and executor._compiled_ends is not None
+        assert executor._middle_breaks == {}  # one graph between them
     assert not [w for w in caught if "graph break" in str(w.message)]
     reference(x).sum().backward()
     assert_equal_grads(model, reference)
     for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _StemAndSharedBlock(nn.Module):
+    """Code before the blocks that a re-run would repeat (a stem with batch norm), and one
+    block module called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        shared = _Residual()
+        self.blocks = nn.ModuleList([_Residual(), shared, _Residual(), shared])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.lin(x)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_the_model_forward_around_the_blocks_runs_the_code_around_them_once() -> None:
+    # NOTE [ The model's forward around the blocks ]: the stem's batch norm updates once per
+    # step, a block module called twice is answered in order, the same shape runs the graph
+    # again without recompiling, and a new batch size gets its own plan, one graph each
+    torch.manual_seed(0)
+    model = _StemAndSharedBlock()
+    reference = copy.deepcopy(model)
+    n = remat.capture_chain(model, torch.randn(8, 8)).n
+    plan = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 1), ChainSegment(2, 3, True), ChainSegment(4, n - 1, True))
+        + (ChainSegment(n, n),)
+    )
+    planned = remat.apply(
+        model, plan, compile=PARTITIONER, one_graph=True, replan=lambda *a, **k: plan
+    )
+    for i, batch in enumerate((8, 8, 4)):
+        x = torch.randn(batch, 8)
+        counters.clear()
+        planned(x).sum().backward()
+        assert planned._executor._around is not None
+        assert not counters["graph_break"]
+        assert counters["stats"]["unique_graphs"] == (0 if i == 1 else 1)  # no recompilation
+        reference(x).sum().backward()
+        assert_equal_grads(model, reference)
+        for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert int(model.norm.num_batches_tracked) == 3
 
 
 @pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])

@@ -49,7 +49,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from remat.capture.chain import compile_stages, no_autocast_cache
-from remat.capture.stages import Stages, StageWatch, _run_plain, split_stages, traceable
+from remat.capture.stages import (
+    Stages,
+    StageWatch,
+    _run_plain,
+    around,
+    split_stages,
+    traceable,
+)
 from remat.core.errors import RematError
 from remat.core.plan import ChainSegment, Plan, PlanError
 from remat.guards import (
@@ -551,6 +558,7 @@ class _Executor:
         """``(head, middle, tail)``: in one-graph mode the program's parts at either end that
         torch.compile cannot trace (NOTE [ Stages outside the graph ]), run before and after
         the one graph of ``middle``; head and tail empty when there are none."""
+        self._around: Any = None
         self._compiled_ends: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         """The head (with ``prepare``) and the tail (with ``finish``), each compiled on its own
         (NOTE [ Stages outside the graph ]), where there are ends."""
@@ -563,7 +571,14 @@ class _Executor:
             def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return torch.compile(types.MethodType(_own_code(fn), self), **options)
 
-            if self._ends[0] or self._ends[2]:
+            self._around = _around_of(self._ends)
+            """Where the plan stores both ends: what runs the model's own forward around the
+            middle, in the one graph (NOTE [ The model's forward around the blocks ] in
+            remat.capture.stages.families.blocks); None otherwise."""
+            if self._around is not None:
+                self._middle = self._traced_middle  # (one bound method: dynamo guards on it)
+                self.compiled_step = compiled(_Executor._traced_around)
+            elif self._ends[0] or self._ends[2]:
                 self.compiled_step = compiled(_Executor._traced_middle)
                 self._compiled_ends = (
                     compiled(_Executor._traced_head),
@@ -709,6 +724,10 @@ class _Executor:
     def _traced_middle(self, a: Any) -> Any:
         return self._run_program(self._ends[1], a)
 
+    def _traced_around(self, args: tuple, kwargs: dict) -> Any:
+        stages = self.stages
+        return stages.finish(self._around.run(stages.prepare(*args, **kwargs)), *args, **kwargs)
+
     def _traced_head(self, args: tuple, kwargs: dict) -> Any:
         return self._run_program(self._ends[0], self.stages.prepare(*args, **kwargs))
 
@@ -719,6 +738,9 @@ class _Executor:
         """The one-graph step's forward: the one graph, with the ends it cannot hold compiled
         on their own before and after it (NOTE [ Stages outside the graph ])."""
         assert self.compiled_step is not None
+        if self._around is not None:
+            with self._around.patched(self._middle):
+                return self.compiled_step(args, kwargs)
         if self._compiled_ends is None:
             return self.compiled_step(args, kwargs)
         head, tail = self._compiled_ends
@@ -844,7 +866,10 @@ def _no_context_fn_advice() -> Iterator[None]:
 # still compiles what it can of them frame by frame (a transformers mask is a vmap, slow
 # eagerly: Qwen2's ends run eagerly took its step from 0.75 to 3.8x eager), and the program
 # between them is one graph without a break. Such a stage checkpointed with a block stays in
-# the graph and breaks it (correct, warned, not fused).
+# the graph and breaks it (correct, warned, not fused). Where the plan stores both ends (one
+# stage each), the ends do not run apart at all: the one graph is the model's own forward
+# around the middle (:func:`_around_of`; NOTE [ The model's forward around the blocks ] in
+# remat.capture.stages.families.blocks).
 def _untraceable_ends(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
     """``(head, middle, tail)`` of ``program``, each a program (NOTE [ Stages outside the
     graph ]): at its start and end, the stored stages torch.compile cannot trace and
@@ -885,6 +910,17 @@ def _untraceable_ends(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
         else:
             break
     return tuple(head), tuple(items), tuple(tail)
+
+
+def _around_of(ends: tuple[tuple[Any, ...], ...]) -> Any:
+    """What runs the model's own forward around the middle of a one-graph program, where its
+    head and its tail are one stored stage each and the first offers one for the last
+    (remat.capture.stages.around); else None."""
+    head, _middle, tail = ends
+    if len(head) == len(tail) == 1 and type(head[0]) is tuple and type(tail[0]) is tuple:
+        if len(head[0]) == len(tail[0]) == 1:
+            return around(head[0][0], tail[0][0])
+    return None
 
 
 def _untraceable(item: Any) -> bool:

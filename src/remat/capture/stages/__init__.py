@@ -76,6 +76,7 @@ from remat.capture.stages.base import (
     SUPPORTED_HELP,
     StageMismatchError,
     Stages,
+    around,
     run_stages,
     traceable,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "check_no_own_checkpointing",
     "FAMILIES",
     "traceable",
+    "around",
 ]
 
 

@@ -99,6 +99,17 @@ def traceable(module: Any) -> bool:
     return getattr(module, "traceable", True)
 
 
+def around(first: Any, last: Any) -> Any:
+    """What runs the model's own forward once around the stages between stage modules
+    ``first`` and ``last``, where ``first`` offers one for ``last`` (the blocks family's first
+    stage, for its last: NOTE [ The model's forward around the blocks ] in
+    remat.capture.stages.families.blocks); else None. It has ``patched(middle)``, a context
+    entered outside the compiled graph, and ``run(a0)``, traced: the model's output, with
+    ``middle(a1)`` (``a1``: the first stage's output) in place of the stages between."""
+    found = getattr(first, "around", None)
+    return found if found is not None and found.last is last else None
+
+
 def run_stages(stages: Stages, *args: Any, **kwargs: Any) -> Any:
     """Run the stages plainly in order: equals ``model(*args, **kwargs)``."""
     if stages.check is not None:
