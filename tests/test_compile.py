@@ -434,6 +434,46 @@ def test_the_model_forward_around_the_blocks_runs_the_code_around_them_once() ->
     assert int(model.norm.num_batches_tracked) == 3
 
 
+@pytest.mark.parametrize(
+    ("blocks", "one_graph"),
+    [(True, True), (False, True), (False, False)],
+    ids=["blocks-around", "sequential-one-graph", "graph-per-stage"],
+)
+def test_a_copy_of_a_compiled_planned_module_trains_its_own_modules(
+    blocks: bool, one_graph: bool
+) -> None:
+    # copy.deepcopy of a compiled planned module raised "cannot pickle ConfigModuleInstance";
+    # a copy of its compiled functions would have run the original's modules. The executor
+    # is now made anew in the copy (_Executor.__reduce__), and compiles on its first step.
+    torch.manual_seed(0)
+    if blocks:
+        model: nn.Module = _StemAndSharedBlock()
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    n = remat.capture_chain(model, torch.randn(8, 8)).n
+    plan = remat.Plan.from_chain_segments(
+        (ChainSegment(1, 1), ChainSegment(2, n - 1, True), ChainSegment(n, n))
+    )
+    planned = remat.apply(model, plan, compile=PARTITIONER, one_graph=one_graph)
+    x = torch.randn(8, 8)
+    planned(x).sum().backward()  # the original compiled and run once
+    model.zero_grad(set_to_none=True)
+    before = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    twin = copy.deepcopy(planned)
+    twin(x).sum().backward()
+    reference(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=key)
+    assert_equal_grads(twin.model, reference)
+    for (key, b), b_ref in zip(twin.model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=key)
+    if blocks:
+        assert twin._executor._around is not None
+        assert twin._executor._around.spec.model is twin.model
+
+
 @pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
 def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size(
     partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch

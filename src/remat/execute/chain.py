@@ -532,6 +532,7 @@ class _Executor:
         self.tree = plan.chain_segments(stages.n)
         """The plan as the stage tree the nested checkpoints run."""
         self.early_stop = early_stop
+        self.compile_options = compile_options
         self.pause_updates = compile_options is None
         """Whether a recomputation pauses batch norm's update rather than running on copies of
         its statistics (:class:`_BuffersWrittenOnce`): only when nothing is compiled, since a
@@ -592,6 +593,13 @@ class _Executor:
                 *(() if knob is None else ((_functorch_config, "activation_memory_budget", knob),)),
             )
             """The compiler settings :meth:`_one_graph_step` runs under."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (``copy.deepcopy``) or a loaded pickle is made anew from the stages and the
+        plan: a compiled executor holds torch.compile's functions bound to this one (a copy
+        would run the original's modules) and torch's config modules (which neither copy nor
+        pickle); the copy compiles on its first step."""
+        return (_Executor, (self.stages, self.plan, self.early_stop, self.compile_options))
 
     @property
     def compiles(self) -> bool:
