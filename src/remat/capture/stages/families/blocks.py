@@ -721,8 +721,8 @@ class _Rerun(_Answers):
 # check on each new input shape runs the stages eagerly, guard included, before. Other block
 # outputs are answered with a stand-in of no memory (a zero expanded to their shape). A
 # step with an end checkpointed runs the ends apart (NOTE [ Stages outside the graph ]).
-# BERT tiny on the CPU (inductor): 1.89 ms a step against 3.02 ms with the ends apart and
-# torch.compile's 2.07 ms.
+# BERT tiny on the CPU (inductor), step over eager's: 0.635 against 1.162 with the ends apart
+# and torch.compile's 0.575 (docs/results/compile/blocks-ends).
 class _Around(_Answers):
     """Runs the model's forward around the blocks (NOTE [ The model's forward around the
     blocks ]): :func:`remat.capture.stages.base.around` hands it to the executor."""
