@@ -1119,6 +1119,54 @@ def test_more_stages_of_one_class_than_dynamos_recompile_limit_all_compile() -> 
         torch._dynamo.reset()
 
 
+def test_stages_of_one_class_stay_compiled_when_captured_again_for_another_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a re-plan captures the stages again for the new shape: 6 stages of one class at two
+    # batch sizes are 12 graphs of one code object, past recompile_limit (8). The limit counted
+    # one capture's stages only, so dynamo ran the last ones eagerly (RegNet re-planned for a
+    # new batch: its block stages' costs were eager ones)
+    from remat.capture import chain as capture_module
+
+    monkeypatch.setattr(capture_module, "_COMPILED_STAGES", type(capture_module._COMPILED_STAGES)())
+    widths = [8 * (i + 1) for i in range(7)]
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)])
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        for batch in (4, 2):
+            capture_module.capture(model, torch.randn(batch, 8), compile={"backend": "aot_eager"})
+    assert counters["stats"]["unique_graphs"] == 2 * len(model) > 8
+
+
+def test_a_compiled_re_plan_under_a_loss_fn_that_holds_more_than_the_default_loss() -> None:
+    # a re-plan sees the model's arguments only, so it adds to the new inputs what the user's
+    # cross-entropy held over the default loss (auto._loss_margin). The compiled re-plan measured
+    # its one-graph trials on the chain without that margin and checked the plan made for the
+    # chain with it against it: a PlanError ("made for other costs") on the first new shape and
+    # on the first accumulated microbatch of every model where the margin was not 0
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 256)
+    )
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(256, 32), torch.randint(0, 256, (256,))
+
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch), y[: len(batch)])
+
+    planned, summary = remat.auto(
+        model, x, loss_fn=loss, budget="100%", compile=PARTITIONER, loop="loss-only"
+    )
+    for batch in (x[:128], x, x):  # a new shape, then two microbatches accumulated
+        loss(planned, batch).backward()
+        loss(reference, batch).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+    assert len(planned._plans.cache) == 3  # the planning shape, the new one, accumulation
+    model.zero_grad(set_to_none=True)
+    measured = step_peak_bytes(step_of(planned, loss, x[:128]), model, None, x[:128])
+    assert measured <= summary.budget_bytes, (measured, summary.budget_bytes)
+
+
 @pytest.mark.parametrize(("eager_least", "says"), [(400, "which this budget meets"), (700, "")])
 def test_a_compiled_refusal_names_the_eager_least_when_compile_holds_more(
     monkeypatch: pytest.MonkeyPatch, eager_least: int, says: str

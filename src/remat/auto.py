@@ -695,6 +695,17 @@ def _loss_margin(
     return margin
 
 
+def _measured_on(new: Captured, plan: Plan, base: Captured | None) -> tuple[Captured, Plan]:
+    """The capture a one-graph trial of ``plan`` (made for ``new``) is measured on, and the plan
+    fitted to it. A re-plan's ``new`` is ``base`` with the bytes the user's loss holds added
+    to its inputs (:func:`_loss_margin`), the same stages and costs otherwise: the plan runs
+    on ``base`` as made, so the chain's fingerprint, which tells the two apart, is not checked
+    there (it raised a ``PlanError`` on every compiled re-plan with a margin)."""
+    if base is None or base.chain.fingerprint == new.chain.fingerprint:
+        return new, plan
+    return base, dataclasses.replace(plan, fingerprint=None)
+
+
 class _Trained(NamedTuple):
     """What a re-plan reads from the model as it is at the training call (the
     :func:`remat.execute.chain.step_state` the plan is made for)."""
@@ -1138,7 +1149,8 @@ class _StepModel:
     ) -> int:
         """The chain's prediction of the step a one-graph plan is measured on
         (:meth:`loss_only_costs`; ``base``: the capture without a re-plan's loss margin)."""
-        return step_peak_of((base or new).chain, plan, self.loss_only_costs(base or new, now))
+        measured_on, plan = _measured_on(new, plan, base)
+        return step_peak_of(measured_on.chain, plan, self.loss_only_costs(measured_on, now))
 
     def whole(
         self,
@@ -1152,13 +1164,14 @@ class _StepModel:
         measured ``measured``: the forward and backward moved by what the graph measured above
         or below the chain, the optimizer step as the chain model has it
         (:func:`remat.planning.measured_step_peak_of`)."""
+        measured_on, plan = _measured_on(new, plan, base)
         return measured_step_peak_of(
             new.chain,
             plan,
             self.costs(new, now),
             measured,
-            self.loss_only_costs(base or new, now),
-            (base or new).chain,
+            self.loss_only_costs(measured_on, now),
+            measured_on.chain,
         )
 
     def fit_below_least(

@@ -349,14 +349,22 @@ def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[
     Stages with the same code (a model's blocks) share one compilation."""
     opts = {"dynamic": False, **options}
     # stages of one class share the forward's code, and dynamo caches its graphs per code
-    # object: one per shape, at most ``recompile_limit`` (8), then the rest ran eagerly
-    # (DenseNet-121's dense-layer groups: 15 input widths); the limit is raised to the most
-    # stages sharing one code object
-    shared = Counter(getattr(type(m).forward, "__code__", None) for m in split.modules)
-    most = max(shared.values(), default=0)
-    if most > torch._dynamo.config.recompile_limit:
-        torch._dynamo.config.recompile_limit = most
+    # object: one per stage and shape, at most ``recompile_limit`` (8), then the rest ran
+    # eagerly (DenseNet-121's dense-layer groups: 15 input widths; RegNet's 6 block stages
+    # re-planned for a second batch shape: 12). The limit is raised to the most stages
+    # compiled on one code object in this process, every re-plan's and executor's counted.
+    codes = [getattr(type(m).forward, "__code__", None) for m in split.modules]
+    _COMPILED_STAGES.update(code for code in codes if code is not None)
+    most = max((_COMPILED_STAGES[code] for code in codes if code is not None), default=0)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, most)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, most)
     return tuple(torch.compile(module, **opts) for module in split.modules)
+
+
+_COMPILED_STAGES: Counter[Any] = Counter()
+"""Stage modules :func:`compile_stages` compiled in this process, per forward code object (an
+upper bound on dynamo's graphs for that code: each is compiled for one shape)."""
 
 
 # ---------------------------------------------------------------------- implementation
