@@ -40,10 +40,16 @@ PARTITIONER = {"backend": "aot_eager_decomp_partition"}
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
+def _fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # remat raises dynamo's recompile limits for the stages it compiles in the process
+    # (capture.chain._COMPILED_STAGES): each test starts from torch's own
+    from remat.capture import chain as capture_module
+
+    monkeypatch.setattr(capture_module, "_COMPILED_STAGES", type(capture_module._COMPILED_STAGES)())
     torch._dynamo.reset()
     counters.clear()
-    yield
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        yield
     torch._dynamo.reset()
 
 
@@ -1119,19 +1125,16 @@ def test_more_stages_of_one_class_than_dynamos_recompile_limit_all_compile() -> 
         torch._dynamo.reset()
 
 
-def test_stages_of_one_class_stay_compiled_when_captured_again_for_another_shape(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_stages_of_one_class_stay_compiled_when_captured_again_for_another_shape() -> None:
     # a re-plan captures the stages again for the new shape: 6 stages of one class at two
     # batch sizes are 12 graphs of one code object, past recompile_limit (8). The limit counted
     # one capture's stages only, so dynamo ran the last ones eagerly (RegNet re-planned for a
     # new batch: its block stages' costs were eager ones)
     from remat.capture import chain as capture_module
 
-    monkeypatch.setattr(capture_module, "_COMPILED_STAGES", type(capture_module._COMPILED_STAGES)())
     widths = [8 * (i + 1) for i in range(7)]
     model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)])
-    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for batch in (4, 2):
             capture_module.capture(model, torch.randn(batch, 8), compile={"backend": "aot_eager"})
     assert counters["stats"]["unique_graphs"] == 2 * len(model) > 8

@@ -305,7 +305,9 @@ def _capture(
         devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
         private = BatchCopy(batch)  # the model may write into its input: never the caller's
         try:
-            with torch.random.fork_rng(devices=devices):
+            # (the stages run as the planned forward runs them, autocast's cache off: compiled,
+            # dynamo guards on that global state, and each stage was compiled twice)
+            with torch.random.fork_rng(devices=devices), no_autocast_cache():
                 calls = None if compile is None else compile_stages(split, compile)
                 chain, rises, output, kept, small, external = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls

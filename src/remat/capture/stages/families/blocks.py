@@ -700,14 +700,26 @@ class _Rerun(_Answers):
     def _stand_in(self, last: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor standing for a block output the chain did not keep, of its shape (a view of
         the last block's output, no memory of its own): using its values is refused."""
-        with torch._C.DisableTorchFunction():
-            out = last.detach()
-            if tuple(out.shape) != shape:
-                out = out.as_strided(shape, (0,) * len(shape), out.storage_offset())
+        if torch.compiler.is_compiling():
+            # (no guard's torch function to step around; dynamo breaks the graph at
+            # DisableTorchFunction, and compiled the rest as a frame of its own, once per
+            # length of ``stale``: past the recompile limit it ran eagerly)
+            out = _expanded(last, shape)
+        else:
+            with torch._C.DisableTorchFunction():
+                out = _expanded(last, shape)
         self.stale.append(out)
         if self.guard is not None:
             self.guard.stale[out] = True
         return out
+
+
+def _expanded(last: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``last`` detached, as a view of ``shape`` with no memory of its own where it has another."""
+    out = last.detach()
+    if tuple(out.shape) != shape:
+        out = out.as_strided(shape, (0,) * len(shape), out.storage_offset())
+    return out
 
 
 # NOTE [ The model's forward around the blocks ]: in a one-graph step (remat.execute.chain,
