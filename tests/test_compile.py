@@ -409,6 +409,22 @@ class _StemAndSharedBlock(nn.Module):
         return self.head(h)
 
 
+def test_a_plan_run_a_graph_per_stage_reuses_the_graphs_its_capture_compiled() -> None:
+    # the capture ran the stages with autocast's cache on, the planned forward with it off: a
+    # global state dynamo guards on, so every block stage compiled again at the first step
+    # (MobileNetV3's 15 block stages went past the recompile limit and ran eagerly)
+    torch.manual_seed(0)
+    model = _StemAndSharedBlock()
+    x = torch.randn(8, 8)
+    captured = capture(model, x, compile=PARTITIONER)
+    counters.clear()
+    planned = remat.apply(
+        model, remat.Plan.none(captured.stages.n), stages=captured.stages, compile=PARTITIONER
+    )
+    planned(x).sum().backward()
+    assert graphs_and_breaks() == (0, 0), dict(counters["stats"])
+
+
 def test_the_model_forward_around_the_blocks_runs_the_code_around_them_once() -> None:
     # NOTE [ The model's forward around the blocks ]: the stem's batch norm updates once per
     # step, a block module called twice is answered in order, the same shape runs the graph
