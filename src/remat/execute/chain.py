@@ -192,18 +192,22 @@ def step_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
     """
     # A walk of the module tree's own dicts, not ``model.parameters()`` (which names every
     # module on the way): called on every training step, 3-4x faster (GPT-2 tiny: 21 against
-    # 78 us). A parameter shared by two modules is listed twice, the same on every call.
+    # 78 us), and with no generator per module another 2x (10 us). A parameter shared by two
+    # modules is listed twice, the same on every call.
     live = False
     trains = []
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        for p in module._parameters.values():
-            if p is not None:
-                trains.append(p.requires_grad)
-                if p.requires_grad and p.grad is not None:
-                    live = True
-        stack.extend(m for m in module._modules.values() if m is not None)
+    todo: list[nn.Module | None] = [model]
+    for module in todo:  # (grows as it goes: breadth first)
+        if module is None:
+            continue
+        params = module._parameters
+        if params:
+            for p in params.values():
+                if p is not None:
+                    trains.append(trains_now := p.requires_grad)
+                    if trains_now and not live and p.grad is not None:
+                        live = True
+        todo.extend(module._modules.values())
     return live, tuple(trains)
 
 
