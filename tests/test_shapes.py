@@ -152,6 +152,40 @@ def test_gpt2_called_with_keyword_arguments_replans_other_lengths_and_a_mask() -
     assert results == ["fits", "fits"]
 
 
+def test_batches_padded_to_their_longest_sequence_warn_once_to_pad_to_fixed_lengths() -> None:
+    # a user's loop with transformers' default collator: every batch another length, so every
+    # step re-plans (with compile=True, 13-30 s of compiling each on BERT tiny); the user is
+    # told once, with what to do, and training stays right
+    from remat.execute.chain import MANY_SIGNATURES
+
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 128, (2, 48))
+    planned, _ = auto(model, {"input_ids": ids, "labels": ids}, budget="60%")
+    lengths = [48, 40, 33, 47, 12, 40, 25, 48, 30, 21, 9, 33, 17]
+    seen: list[int] = []
+    for length in lengths:
+        batch = {"input_ids": ids[:, :length], "labels": ids[:, :length]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            planned(**batch).loss.backward()
+        planned.zero_grad(set_to_none=True)
+        new = length not in seen
+        seen += [length] if new else []
+        padding = [w for w in caught if "pad them to a few fixed lengths" in str(w.message)]
+        if new and len(seen) == MANY_SIGNATURES:
+            assert len(padding) == 1, [str(w.message) for w in caught]
+            assert f"for {MANY_SIGNATURES} input shapes" in str(padding[0].message)
+            assert "pad_to_multiple_of" in str(padding[0].message)
+        else:
+            assert padding == [], (length, len(seen))
+    assert len(seen) > MANY_SIGNATURES  # (shapes past the warning: no second one)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(input_ids=ids[:, :17], labels=ids[:, :17]).loss
+
+    _assert_same_grads(planned, model, step)
+
+
 def test_an_x_y_batch_with_a_loss_fn_replans_on_the_models_arguments() -> None:
     # the bug: the re-plan called loss_fn(model, x) on the model's input alone
     model = _mlp()

@@ -36,6 +36,7 @@ import contextvars
 import copy
 import dataclasses
 import logging
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -275,6 +276,11 @@ class SignaturePlans:
         self.cache: dict[Any, Any] = {}
         self.set(signature, current)
 
+    replan_seconds = 0.0
+    """Wall time spent in ``replan`` and ``build`` so far."""
+    warned_many = False
+    """Whether :meth:`_warn_if_many` warned."""
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save(planned)``, ``copy.deepcopy`` excepted: it keeps the state
         whole) without :func:`remat.auto`'s ``replan``, a closure over the model, its
@@ -332,12 +338,38 @@ class SignaturePlans:
                 )
             else:
                 token = _REPLANNING_STATE.set(state)
+                start = time.perf_counter()
                 try:
                     plan = self.replan(*args, **kwargs)
                 finally:
                     _REPLANNING_STATE.reset(token)
                 self.set(sig, self.build(plan, args, kwargs), state)
+                self.replan_seconds += time.perf_counter() - start
+                self._warn_if_many()
         return self.current
+
+    def _warn_if_many(self) -> None:
+        """Warn once when :data:`MANY_SIGNATURES` input signatures were planned: batches padded
+        to their longest sequence change shape almost every step, and each new shape costs a
+        capture and a plan (with ``compile=``, compilations too)."""
+        signatures = {key[0] for key in self.cache} if self.stateful else set(self.cache)
+        if self.warned_many or len(signatures) < MANY_SIGNATURES:
+            return
+        self.warned_many = True
+        warnings.warn(
+            f"remat has planned this model for {len(signatures)} input shapes, re-planning "
+            f"{self.replan_seconds:.1f} s in all: each new input shape gets its own plan (its "
+            "memory and time depend on the shape). Batches padded to their longest sequence "
+            "change shape almost every step; pad them to a few fixed lengths (transformers: "
+            "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), or padding='max_length') "
+            "so that re-planning stops.",
+            stacklevel=4,
+        )
+
+
+MANY_SIGNATURES = 8
+"""After how many planned input signatures :class:`SignaturePlans` warns that re-planning for
+each new shape is being paid (once per planned module)."""
 
 
 # ---------------------------------------------------------------------- buffers
