@@ -20,6 +20,7 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
@@ -70,12 +71,7 @@ def main() -> None:
             print(rows[-1]["method"], rows[-1].get("peak_bytes"), flush=True)
     keep = ("method", "peak_bytes", "time_ratio", "max_grad_rel_diff", "error")
     table = [{k: r.get(k) for k in keep} for r in rows]
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
-        "seconds": round(time.time() - start),
-        "repeats": repeats,
-        "torch": torch.__version__,
-    }
+    meta = run_meta(start, repeats=repeats)
     lines = [
         "# remat's flat plans as one compiled graph, with inductor's partitioner budget",
         "",
@@ -94,6 +90,17 @@ def main() -> None:
             else f"| {r['method']} | error: {r['error']} | | |"
         )
     write_results("knob", meta, table, lines)
+
+
+def run_meta(start: float, **extra: Any) -> dict[str, Any]:
+    """A run's date (UTC, from ``start``, a ``time.time()``), its seconds, torch's version and
+    ``extra``."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
+        "seconds": round(time.time() - start),
+        "torch": torch.__version__,
+        **extra,
+    }
 
 
 def write_results(stem: str, meta: dict, rows: list[dict], lines: list[str]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
-from compile_knob import write_results
+from compile_knob import run_meta, write_results
 from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
@@ -124,13 +124,7 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
-        "seconds": round(time.time() - start),
-        "torch": torch.__version__,
-        "partitioner_budget": KNOB,
-        "repeats": REPEATS,
-    }
+    meta = run_meta(start, partitioner_budget=KNOB, repeats=REPEATS)
     lines = [
         "# The partitioner's knapsack at 0.5 with measured costs and an exact solver",
         "",

@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from compile_knob import write_results
+from compile_knob import run_meta, write_results
 
 from remat import Plan
 from remat.bench.compile import BACKEND, _options, load_workload
@@ -54,13 +54,7 @@ def main() -> None:
         ratio = statistics.median(times["remat"]) / statistics.median(times["compile"])
         rows.append({"partitioner_budget": knob, "peak_bytes": peak, "paired_ratio": ratio})
         print(rows[-1], flush=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
-        "seconds": round(time.time() - start),
-        "torch": torch.__version__,
-        "compile_0.5_peak_bytes": compile_peak,
-        "repeats": REPEATS,
-    }
+    meta = run_meta(start, repeats=REPEATS, **{"compile_0.5_peak_bytes": compile_peak})
     lines = [
         "# remat's store-everything one graph at partitioner budgets 0.3-0.9 (GPT-2)",
         "",

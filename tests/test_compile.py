@@ -1110,6 +1110,43 @@ def test_one_graph_runs_at_its_partitioner_budget() -> None:
         with_partitioner_budget(plan, 2.0)
 
 
+def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # below its aggressive min-cut the partitioner picks what to save by a knapsack; remat's one
+    # graph solves it exactly (HiGHS), torch.compile's own graphs keep torch's quantized DP
+    from torch._functorch import partitioners
+
+    from remat.execute.chain import PARTITIONER_SOLVER
+
+    solved: list[str] = []
+    optimize = partitioners._optimize_runtime_with_given_memory
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        solved.append(torch._functorch.config.activation_memory_budget_solver)
+        return optimize(*args, **kwargs)
+
+    monkeypatch.setattr(partitioners, "_optimize_runtime_with_given_memory", recorded)
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(0, 128, (4, 32))
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=b, labels=b).loss
+
+    plan = with_partitioner_budget(as_one_graph(remat.Plan.none(6)), 0.5)
+    planned = remat.apply(model, plan, compile=PARTITIONER)
+    loss(planned, ids).backward()
+    loss(reference, ids).backward()
+    assert_equal_grads(model, reference)
+    assert PARTITIONER_SOLVER == "ilp" and solved and set(solved) == {"ilp"}, solved
+    assert torch._functorch.config.activation_memory_budget_solver == "dp"  # (put back)
+    solved.clear()
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        loss(torch.compile(reference, **PARTITIONER), ids).backward()
+    assert solved and set(solved) == {"dp"}, solved
+
+
 def test_each_one_graph_plan_of_a_process_is_compiled_past_dynamos_recompile_limit() -> None:
     # dynamo keeps at most recompile_limit (8) graphs per code object and runs the frame
     # eagerly past it: with every executor's step on one code object, the ninth plan of a

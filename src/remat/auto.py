@@ -256,7 +256,7 @@ class AutoSummary:
             if knob is not None:
                 text += (
                     f", compiled with the partitioner's activation_memory_budget={knob:g} "
-                    "(its own recomputation)"
+                    "(its own recomputation, its knapsack solved exactly)"
                 )
             if self.compiled_note:
                 text += f"; {self.compiled_note}"

@@ -626,7 +626,14 @@ class _Executor:
             knob = partitioner_budget(plan)
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
-                *(() if knob is None else ((_functorch_config, "activation_memory_budget", knob),)),
+                *(
+                    ()
+                    if knob is None
+                    else (
+                        (_functorch_config, "activation_memory_budget", knob),
+                        (_functorch_config, "activation_memory_budget_solver", PARTITIONER_SOLVER),
+                    )
+                ),
             )
             """The compiler settings :meth:`_one_graph_step` runs under."""
 
@@ -1011,7 +1018,18 @@ absent: torch's setting (1 by default)."""
 # remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIALS:
 # the store-all plan at 0.5, 0.2, 0.1 in turn, before any plan that recomputes stages). Only with no
 # checkpointed segment: under remat's checkpoints the budget raised GPT-2's peak by 1.2-2.2 MB
-# (docs/results/compile/knob).
+# (docs/results/compile/knob). Below its "aggressive" min-cut the partitioner picks what to save
+# with a 0-1 knapsack (item cost: FLOPs); torch solves it by a DP over bytes quantized to 1e-4 of
+# the budget's range, remat exactly (PARTITIONER_SOLVER, SciPy's HiGHS): at 0.5 on GPT-2 and
+# Llama-tiny the exact set ran in 0.963-0.985 of torch.compile@0.5's time within its memory, the
+# DP's in 0.982-1.005, in 5 paired runs (docs/results/compile/knob/costs.md, solver.md).
+PARTITIONER_SOLVER = "ilp"
+"""``torch._functorch.config.activation_memory_budget_solver`` a one-graph plan with a partitioner
+budget compiles with: torch's exact knapsack (SciPy's HiGHS MILP) instead of its quantized DP
+(NOTE [ The partitioner's budget ]). torch leaves the solver out of its compile caches' keys:
+remat's one graphs are compiled by remat only, always with this solver."""
+
+
 def partitioner_budget(plan: Plan) -> float | None:
     """The partitioner budget a one-graph ``plan`` compiles with (None: torch's setting)."""
     value = plan.params.get(PARTITIONER_BUDGET)
