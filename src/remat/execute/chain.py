@@ -1021,8 +1021,9 @@ absent: torch's setting (1 by default)."""
 # (docs/results/compile/knob). Below its "aggressive" min-cut the partitioner picks what to save
 # with a 0-1 knapsack (item cost: FLOPs); torch solves it by a DP over bytes quantized to 1e-4 of
 # the budget's range, remat exactly (PARTITIONER_SOLVER, SciPy's HiGHS): at 0.5 on GPT-2 and
-# Llama-tiny the exact set ran in 0.963-0.985 of torch.compile@0.5's time within its memory, the
-# DP's in 0.982-1.005, in 5 paired runs (docs/results/compile/knob/costs.md, solver.md).
+# Llama-tiny the exact set ran in 0.963-1.004 of torch.compile@0.5's time (median 0.979) within
+# its memory, the DP's in 0.982-1.005 (median 0.994), in 9 paired runs
+# (docs/results/compile/knob/costs.md, solver.md).
 PARTITIONER_SOLVER = "ilp"
 """``torch._functorch.config.activation_memory_budget_solver`` a one-graph plan with a partitioner
 budget compiles with: torch's exact knapsack (SciPy's HiGHS MILP) instead of its quantized DP
