@@ -624,16 +624,13 @@ class _Executor:
             else:
                 self.compiled_step = compiled(_Executor._traced_step)
             knob = partitioner_budget(plan)
+            partitioner = (
+                (_functorch_config, "activation_memory_budget", knob),
+                (_functorch_config, "activation_memory_budget_solver", PARTITIONER_SOLVER),
+            )
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
-                *(
-                    ()
-                    if knob is None
-                    else (
-                        (_functorch_config, "activation_memory_budget", knob),
-                        (_functorch_config, "activation_memory_budget_solver", PARTITIONER_SOLVER),
-                    )
-                ),
+                *(() if knob is None else partitioner),
             )
             """The compiler settings :meth:`_one_graph_step` runs under."""
 
