@@ -18,9 +18,8 @@ on the bench's GPT-2, Llama-tiny and 32-layer MLP (``remat bench compile``'s siz
 whole-step peak (Adam, allocator events) against torch.compile@0.5's, and the step time against
 torch.compile@0.5's, the two interleaved in one loop (31 steps each).
 
-(The solver is set through ``remat.execute.chain.PARTITIONER_SOLVER``, which remat's executor
-sets on every one-graph call; it was ``"dp"``, torch's, when costs.md was measured, and is
-``"ilp"`` since.) Writes ``docs/results/compile/knob/costs.json`` and ``costs.md``::
+(The solver is the plan's: ``remat.execute.chain.with_partitioner_budget``'s ``solver``, which
+remat's executor sets on every one-graph call.) Writes ``docs/results/compile/knob/costs.json`` and ``costs.md``::
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 \\
         PYTHONPATH=src .venv/bin/python benchmarks/compile_knob_costs.py
@@ -40,7 +39,6 @@ from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
-import remat.execute.chain as executor
 from remat import Plan
 from remat.bench.compile import BACKEND, _options, load_workload
 from remat.bench.methods import compile_setup
@@ -101,10 +99,8 @@ def main() -> None:
         peaks[model] = step_peak_bytes(compile_step, work.model, compile_opt, work.batch)
         for estimator, solver in VARIANTS:
             torch._dynamo.reset()
-            plan = with_partitioner_budget(as_one_graph(Plan.none(stages.n)), KNOB)
-            exact, executor.PARTITIONER_SOLVER = executor.PARTITIONER_SOLVER, solver
+            plan = with_partitioner_budget(as_one_graph(Plan.none(stages.n)), KNOB, solver)
             planned = apply(work.model, plan, stages=stages, compile={"backend": BACKEND})
-            executor.PARTITIONER_SOLVER = exact  # (read when the executor is made)
             costs = CpuTime() if estimator == "cpu-time" else estimator
 
             def context(costs: Any = costs) -> Any:

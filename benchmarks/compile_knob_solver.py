@@ -1,7 +1,7 @@
 """remat's exact knapsack against torch's quantized DP at partitioner budget 0.5 (issue #19).
 
 remat's one graph at a partitioner budget solves the partitioner's knapsack exactly
-(``remat.execute.chain.PARTITIONER_SOLVER``, torch's ``"ilp"``: SciPy's HiGHS); torch.compile
+(``remat.execute.chain.PARTITIONER_SOLVERS``' first, torch's ``"ilp"``: SciPy's HiGHS); torch.compile
 uses its DP over quantized bytes (``"dp"``). On the bench's GPT-2 and Llama-tiny (``remat bench
 compile``'s sizes), per process: torch.compile@0.5, remat's store-everything one graph at 0.5
 with the DP, and the same with the exact solver, each's exact whole-step peak (Adam, allocator
@@ -52,12 +52,10 @@ def one(model: str) -> dict:
     steps = {}
     steps["compile"], opt = training_step(setup.module, work, setup.context)
     peaks = {"compile": step_peak_bytes(steps["compile"], work.model, opt, work.batch)}
-    exact = executor.PARTITIONER_SOLVER
-    for solver in ("dp", exact):
-        executor.PARTITIONER_SOLVER = solver  # (read when the executor is made)
-        plan = executor.with_partitioner_budget(executor.as_one_graph(Plan.none(stages.n)), KNOB)
+    for solver in reversed(executor.PARTITIONER_SOLVERS):
+        one_graph = executor.as_one_graph(Plan.none(stages.n))
+        plan = executor.with_partitioner_budget(one_graph, KNOB, solver)
         planned = executor.apply(work.model, plan, stages=stages, compile={"backend": BACKEND})
-        executor.PARTITIONER_SOLVER = exact
         steps[solver], opt = training_step(planned, work)
         peaks[solver] = step_peak_bytes(steps[solver], work.model, opt, work.batch)
     times = interleaved_times(steps, REPEATS, warmup=2)

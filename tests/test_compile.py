@@ -1115,14 +1115,64 @@ def test_one_graph_runs_at_its_partitioner_budget() -> None:
         with_partitioner_budget(plan, 2.0)
 
 
-def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly(
+def test_fit_one_graph_measures_torchs_own_partition_where_the_exact_knapsack_does_not_fit() -> (
+    None
+):
+    # the exact knapsack fills closer to its capacity than torch's DP and can hold a little more
+    # than torch.compile's own point at the same partitioner budget (DenseNet-121 at 0.1: 512 B
+    # more, and remat ran a plan of its own at 1.10 of torch.compile@0.1's time): at each
+    # budget the DP's graph is measured next, and only where the exact one does not fit
+    from remat.execute.chain import describe_compiled, partitioner_solver
+
+    store_all = AUTO._store_all_trials(4)
+    assert [(partitioner_budget(p), partitioner_solver(p)) for p in store_all] == [
+        (None, "ilp"),
+        *((k, s) for k in AUTO.PARTITIONER_TRIALS for s in ("ilp", "dp")),
+    ]
+    assert AUTO.PARTITIONER_TRIALS == (0.5, 0.2, 0.1)
+    step = {(None, "ilp"): 300_000, (0.5, "ilp"): 200_000, (0.5, "dp"): 190_000}
+    step |= {(0.2, "ilp"): 150_000, (0.2, "dp"): 140_000, (0.1, "ilp"): 100_512}
+    step[(0.1, "dp")] = 100_000
+    measured: list[tuple[float | None, str]] = []
+
+    def measure(p: remat.Plan) -> int:
+        measured.append((partitioner_budget(p), partitioner_solver(p)))
+        return step[measured[-1]]
+
+    def fit(total: int) -> Any:
+        measured.clear()
+        recompute = remat.Plan.from_chain_segments((ChainSegment(1, 2, True), ChainSegment(3, 4)))
+        return _fit_one_graph(
+            recompute,
+            total,
+            lambda b: recompute,
+            lambda p: 10**9,
+            lambda p: 0,
+            measure,
+            whole=lambda p, m: m,
+            store_all=store_all,
+        )
+
+    got = fit(100_000)  # torch.compile@0.1's peak: the exact set is 512 B over, the DP's fits
+    assert measured[-2:] == [(0.1, "ilp"), (0.1, "dp")] and len(measured) == 7
+    assert got.one_graph and partitioner_solver(got.plan) == "dp"
+    assert "at partitioner budget 0.1 (solver dp)" in describe_compiled(got.plan)
+    assert "[1-4] at partitioner budget 0.1: 100,512 B" in got.note
+    got = fit(200_000)  # the exact set fits at 0.5: the DP's is not measured
+    assert measured == [(None, "ilp"), (0.5, "ilp")] and partitioner_solver(got.plan) == "ilp"
+
+
+def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly_or_by_torchs_dp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # below its aggressive min-cut the partitioner picks what to save by a knapsack; remat's one
-    # graph solves it exactly (HiGHS), torch.compile's own graphs keep torch's quantized DP
+    # graph solves it exactly (HiGHS) by default, or by torch's quantized DP where its plan says
+    # so (torch.compile's own partition: auto's trial where the exact set does not fit);
+    # torch.compile's own graphs keep the DP. The compile caches leave the solver out of their
+    # keys: the same graph with the other solver must be partitioned anew, not served the first
     from torch._functorch import partitioners
 
-    from remat.execute.chain import PARTITIONER_SOLVER
+    from remat.execute.chain import PARTITIONER_SOLVERS, partitioner_solver
 
     solved: list[str] = []
     optimize = partitioners._optimize_runtime_with_given_memory
@@ -1138,18 +1188,43 @@ def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly(
     def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(input_ids=b, labels=b).loss
 
-    plan = with_partitioner_budget(as_one_graph(remat.Plan.none(6)), 0.5)
-    planned = remat.apply(model, plan, compile=PARTITIONER)
-    loss(planned, ids).backward()
-    loss(reference, ids).backward()
-    assert_equal_grads(model, reference)
-    assert PARTITIONER_SOLVER == "ilp" and solved and set(solved) == {"ilp"}, solved
-    assert torch._functorch.config.activation_memory_budget_solver == "dp"  # (put back)
-    solved.clear()
+    assert PARTITIONER_SOLVERS[0] == "ilp"
+    for solver in PARTITIONER_SOLVERS:
+        torch._dynamo.reset()
+        plan = with_partitioner_budget(as_one_graph(remat.Plan.none(6)), 0.5, solver)
+        assert partitioner_solver(remat.Plan.from_json(plan.to_json())) == solver
+        planned = remat.apply(model, plan, compile=PARTITIONER)
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        loss(planned, ids).backward()
+        loss(reference, ids).backward()
+        assert_equal_grads(model, reference)
+        assert solved and set(solved) == {solver}, (solver, solved)
+        assert torch._functorch.config.activation_memory_budget_solver == "dp"  # (put back)
+        assert torch._functorch.config.enable_autograd_cache  # (put back)
+        solved.clear()
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=0.5):
         loss(torch.compile(reference, **PARTITIONER), ids).backward()
     assert solved and set(solved) == {"dp"}, solved
+    with pytest.raises(PlanError, match="partitioner solver 'greedy' is not one of ilp, dp"):
+        with_partitioner_budget(plan, 0.5, "greedy")
+    # AOTAutograd's cache (inductor's; aot_eager has none) leaves the solver out of its key:
+    # with it on, the MLP's graph with the DP was served the exact one's partition
+    from torch._dynamo.utils import counters
+
+    mlp_model = nn.Sequential(
+        *[m for _ in range(3) for m in (nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))]
+    )
+    x = torch.randn(512, 64)
+    cache = counters["aot_autograd"]
+    for solver in PARTITIONER_SOLVERS:
+        torch._dynamo.reset()
+        plan = with_partitioner_budget(as_one_graph(remat.Plan.none(9)), 0.5, solver)
+        before = dict(cache)
+        remat.apply(mlp_model, plan, compile={"backend": "inductor"})(x).sum().backward()
+        used = {k: v - before.get(k, 0) for k, v in cache.items() if "autograd_cache" in k}
+        assert not any(used.values()), (solver, used)
 
 
 def test_each_one_graph_plan_of_a_process_is_compiled_past_dynamos_recompile_limit() -> None:

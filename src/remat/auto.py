@@ -53,6 +53,7 @@ from remat.core.plan import Plan
 from remat.core.step import LOOPS, StepCosts, check_loop, criterion_costs, output_held_bytes
 from remat.core.units import format_bytes, parse_bytes, resolve_budget
 from remat.execute.chain import (
+    PARTITIONER_SOLVERS,
     _describe_signature,
     apply,
     as_one_graph,
@@ -61,6 +62,7 @@ from remat.execute.chain import (
     describe_compiled,
     input_signature,
     partitioner_budget,
+    partitioner_solver,
     replanning_state,
     step_state,
     with_partitioner_budget,
@@ -254,9 +256,10 @@ class AutoSummary:
             )
             knob = partitioner_budget(self.plan)
             if knob is not None:
+                solved = {"ilp": "exactly", "dp": "by torch's DP, as torch.compile does"}
                 text += (
                     f", compiled with the partitioner's activation_memory_budget={knob:g} "
-                    "(its own recomputation, its knapsack solved exactly)"
+                    f"(its own recomputation, its knapsack solved {solved[partitioner_solver(self.plan)]})"
                 )
             if self.compiled_note:
                 text += f"; {self.compiled_note}"
@@ -1227,7 +1230,8 @@ graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
 PARTITIONER_TRIALS: tuple[float, ...] = (0.5, 0.2, 0.1)
 """The partitioner budgets (torch's ``activation_memory_budget``) :func:`auto` (``compile=``)
 measures the store-all one graph at, in turn, after storing all at torch's setting and before
-any plan that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain);
+any plan that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain),
+each with the knapsack solved exactly and then, where that does not fit, by torch's DP;
 empty: none tried (remat's plans only). The knob is not monotone in bytes, so each is measured:
 torch.compile's least peak was at 0.5 on GPT-2 and the MLP chain, at 0.1 on Llama and
 DenseNet-121 (docs/results/compile)."""
@@ -1371,8 +1375,15 @@ def _store_all_trials(chain: Chain) -> list[Plan]:
 
 
 def _partitioner_trials(chain: Chain) -> list[Plan]:
-    """The store-all plan at each of :data:`PARTITIONER_TRIALS`."""
-    return [with_partitioner_budget(Plan.none(chain), k) for k in PARTITIONER_TRIALS]
+    """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
+    knapsack solved exactly and then (measured only where the exact one does not fit: the trials
+    are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
+    budget ])."""
+    return [
+        with_partitioner_budget(Plan.none(chain), k, solver)
+        for k in PARTITIONER_TRIALS
+        for solver in PARTITIONER_SOLVERS
+    ]
 
 
 def _recomputes(plan: Plan) -> bool:

@@ -78,6 +78,7 @@ __all__ = [
     "as_one_graph",
     "describe_compiled",
     "partitioner_budget",
+    "partitioner_solver",
     "with_partitioner_budget",
     "PlannedModule",
     "SignatureMismatchError",
@@ -626,7 +627,11 @@ class _Executor:
             knob = partitioner_budget(plan)
             partitioner = (
                 (_functorch_config, "activation_memory_budget", knob),
-                (_functorch_config, "activation_memory_budget_solver", PARTITIONER_SOLVER),
+                (_functorch_config, "activation_memory_budget_solver", partitioner_solver(plan)),
+                # (AOTAutograd's cache leaves the solver out of its key: the partition of the
+                # other solver would be served, NOTE [ The partitioner's budget ]; inductor's
+                # FX graph cache keys on the partitioned graphs, so it stays on)
+                (_functorch_config, "enable_autograd_cache", False),
             )
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
@@ -1017,15 +1022,24 @@ absent: torch's setting (1 by default)."""
 # checkpointed segment: under remat's checkpoints the budget raised GPT-2's peak by 1.2-2.2 MB
 # (docs/results/compile/knob). Below its "aggressive" min-cut the partitioner picks what to save
 # with a 0-1 knapsack (item cost: FLOPs); torch solves it by a DP over bytes quantized to 1e-4 of
-# the budget's range, remat exactly (PARTITIONER_SOLVER, SciPy's HiGHS): at 0.5 on GPT-2 and
-# Llama-tiny the exact set ran in 0.963-1.004 of torch.compile@0.5's time (median 0.979) within
-# its memory, the DP's in 0.982-1.005 (median 0.994), in 9 paired runs
-# (docs/results/compile/knob/costs.md, solver.md).
-PARTITIONER_SOLVER = "ilp"
-"""``torch._functorch.config.activation_memory_budget_solver`` a one-graph plan with a partitioner
-budget compiles with: torch's exact knapsack (SciPy's HiGHS MILP) instead of its quantized DP
-(NOTE [ The partitioner's budget ]). torch leaves the solver out of its compile caches' keys:
-remat's one graphs are compiled by remat only, always with this solver."""
+# the budget's range, remat exactly first (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2
+# and Llama-tiny the exact set ran in 0.963-1.004 of torch.compile@0.5's time (median 0.979)
+# within its memory, the DP's in 0.982-1.005 (median 0.994), in 9 paired runs
+# (docs/results/compile/knob/costs.md, solver.md). The exact set fills the knapsack closer to
+# its capacity, so it can hold a little more than torch's own partition at the same budget
+# (DenseNet-121 at 0.1: 512 B more, so it missed torch.compile@0.1's peak and remat ran a slower
+# plan of its own there, 1.10 of its time): where it does not fit, remat.auto measures the DP's,
+# torch.compile's own point, next.
+PARTITIONER_SOLVERS: tuple[str, ...] = ("ilp", "dp")
+"""The knapsack solvers (``torch._functorch.config.activation_memory_budget_solver``) a one-graph
+plan with a partitioner budget may compile with, its default first: torch's exact one (SciPy's
+HiGHS MILP), then torch's quantized DP, torch.compile's own (NOTE [ The partitioner's budget ]).
+AOTAutograd's cache leaves the solver out of its key, so such a graph compiles with that cache off
+(``enable_autograd_cache``): neither served the partition of the other solver nor leaving one for
+torch.compile's own."""
+PARTITIONER_SOLVER = "partitioner_solver"
+"""``Plan.params[PARTITIONER_SOLVER]``: the solver (one of :data:`PARTITIONER_SOLVERS`) of a
+one-graph plan with a partitioner budget; absent: the first, the exact one."""
 
 
 def partitioner_budget(plan: Plan) -> float | None:
@@ -1034,24 +1048,46 @@ def partitioner_budget(plan: Plan) -> float | None:
     return None if value is None else float(value)
 
 
+def partitioner_solver(plan: Plan) -> str:
+    """The knapsack solver ``plan``'s partitioner budget is compiled with
+    (:data:`PARTITIONER_SOLVERS`)."""
+    return str(plan.params.get(PARTITIONER_SOLVER, PARTITIONER_SOLVERS[0]))
+
+
 def describe_compiled(plan: Plan) -> str:
-    """``plan.describe()``, with its partitioner budget when it has one."""
+    """``plan.describe()``, with its partitioner budget when it has one (and its solver when it
+    is not the default)."""
     knob = partitioner_budget(plan)
-    return plan.describe() + ("" if knob is None else f" at partitioner budget {knob:g}")
+    if knob is None:
+        return plan.describe()
+    solver = partitioner_solver(plan)
+    by = "" if solver == PARTITIONER_SOLVERS[0] else f" (solver {solver})"
+    return f"{plan.describe()} at partitioner budget {knob:g}{by}"
 
 
-def with_partitioner_budget(plan: Plan, budget: float | None) -> Plan:
+def with_partitioner_budget(
+    plan: Plan, budget: float | None, solver: str = PARTITIONER_SOLVERS[0]
+) -> Plan:
     """``plan`` to be compiled as one graph with inductor's partitioner at
-    ``activation_memory_budget=budget`` (None: torch's setting); NOTE [ The partitioner's
-    budget ]. :class:`PlanError` outside 0..1."""
-    params = {k: v for k, v in plan.params.items() if k != PARTITIONER_BUDGET}
+    ``activation_memory_budget=budget`` (None: torch's setting), its knapsack solved by
+    ``solver`` (:data:`PARTITIONER_SOLVERS`); NOTE [ The partitioner's budget ].
+    :class:`PlanError` outside 0..1 or for another solver."""
+    params = {
+        k: v for k, v in plan.params.items() if k not in (PARTITIONER_BUDGET, PARTITIONER_SOLVER)
+    }
     if budget is not None:
         if not 0.0 <= float(budget) <= 1.0:
             raise PlanError(
                 f"partitioner budget {budget!r} is not a fraction: torch's "
                 "activation_memory_budget takes 0 to 1"
             )
+        if solver not in PARTITIONER_SOLVERS:
+            raise PlanError(
+                f"partitioner solver {solver!r} is not one of {', '.join(PARTITIONER_SOLVERS)}"
+            )
         params[PARTITIONER_BUDGET] = float(budget)
+        if solver != PARTITIONER_SOLVERS[0]:
+            params[PARTITIONER_SOLVER] = solver
     return dataclasses.replace(plan, params=params)
 
 
@@ -1064,6 +1100,7 @@ def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
         params["compiled"] = ONE_GRAPH
     else:
         params.pop(PARTITIONER_BUDGET, None)
+        params.pop(PARTITIONER_SOLVER, None)
     marked = dataclasses.replace(plan, params=params)
     if one_graph and not one_graph_plan(marked):
         raise PlanError(
