@@ -66,8 +66,8 @@ def gpt2() -> nn.Module:
     for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
         setattr(config, name, 0.0)  # compiled dropout draws other masks than eager's
     model = GPT2LMHeadModel(config)
-    # (without it, transformers' loss_function logs a warning_once on each call, a graph break
-    # in the loss that remat warns about: the stages still compile as one graph)
+    # (without it, transformers' loss_function logs a warning_once on each read, which torch.compile
+    # breaks its graph at; remat's one graph reads it outside: test_a_gpt2_one_graph_holds_its_loss)
     model.loss_type = "ForCausalLM"
     return model
 
@@ -560,6 +560,22 @@ def test_gpt2_segment_with_the_mask_code_compiles_without_a_graph_break() -> Non
     assert first.checkpoint and first.start == 1
     planned(**batch).loss.backward()
     assert_one_graph_per_stage_at_most(planned)
+    reference(**batch).loss.backward()
+    assert_equal_grads(model, reference)
+
+
+def test_a_gpt2_one_graph_holds_its_loss_without_a_graph_break() -> None:
+    # transformers' loss_function getter logs a warning on every read when the config names no
+    # loss type: under torch.compile that logger call broke the one graph at the loss, which
+    # then ran eagerly after it
+    model = gpt2()
+    model.loss_type = None  # (the warning's case, transformers' default for GPT-2)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    planned = remat.apply(model, remat.Plan.none(6), compile=PARTITIONER, one_graph=True)
+    planned(**batch).loss.backward()
+    assert graphs_and_breaks() == (1, 0), dict(counters["graph_break"])
     reference(**batch).loss.backward()
     assert_equal_grads(model, reference)
 

@@ -533,6 +533,12 @@ def _split_decoder(model: nn.Module, family: Decoder, classes: Any) -> Stages:
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         return family.inputs(model, kw)
 
+    # transformers' ``loss_function`` getter logs a warning when the config names no loss
+    # type, on every read: under torch.compile a logger call is a graph break, and the one graph
+    # ran the loss eagerly after it. Resolved here, eagerly, once; one set on the model later
+    # (its setter's ``_loss_function``) is still read in the step.
+    loss_function = model.loss_function
+
     def finish(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         from transformers import modeling_outputs
 
@@ -543,7 +549,7 @@ def _split_decoder(model: nn.Module, family: Decoder, classes: Any) -> Stages:
         loss = None
         labels = kw.get("labels")
         if labels is not None:
-            loss = model.loss_function(
+            loss = getattr(model, "_loss_function", loss_function)(
                 logits=logits, labels=labels, vocab_size=model.config.vocab_size, **extra
             )
         out = getattr(modeling_outputs, family.output)(loss=loss, logits=logits)
