@@ -1225,6 +1225,9 @@ def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly_or_by_tor
     assert solved and set(solved) == {"dp"}, solved
     with pytest.raises(PlanError, match="partitioner solver 'greedy' is not one of ilp, dp"):
         with_partitioner_budget(plan, 0.5, "greedy")
+    hostile = remat.Plan.from_json(plan.to_json().replace('"dp"', '"greedy"'))
+    with pytest.raises(PlanError, match="partitioner solver 'greedy' is not one of ilp, dp"):
+        remat.apply(model, hostile, compile=PARTITIONER)
     # AOTAutograd's cache (inductor's; aot_eager has none) leaves the solver out of its key:
     # with it on, the MLP's graph with the DP was served the exact one's partition
     from torch._dynamo.utils import counters

@@ -1050,8 +1050,13 @@ def partitioner_budget(plan: Plan) -> float | None:
 
 def partitioner_solver(plan: Plan) -> str:
     """The knapsack solver ``plan``'s partitioner budget is compiled with
-    (:data:`PARTITIONER_SOLVERS`)."""
-    return str(plan.params.get(PARTITIONER_SOLVER, PARTITIONER_SOLVERS[0]))
+    (:data:`PARTITIONER_SOLVERS`); :class:`PlanError` for another (a plan loaded from a file)."""
+    solver = plan.params.get(PARTITIONER_SOLVER, PARTITIONER_SOLVERS[0])
+    if solver not in PARTITIONER_SOLVERS:
+        raise PlanError(
+            f"partitioner solver {solver!r} is not one of {', '.join(PARTITIONER_SOLVERS)}"
+        )
+    return str(solver)
 
 
 def describe_compiled(plan: Plan) -> str:
@@ -1081,13 +1086,11 @@ def with_partitioner_budget(
                 f"partitioner budget {budget!r} is not a fraction: torch's "
                 "activation_memory_budget takes 0 to 1"
             )
-        if solver not in PARTITIONER_SOLVERS:
-            raise PlanError(
-                f"partitioner solver {solver!r} is not one of {', '.join(PARTITIONER_SOLVERS)}"
-            )
         params[PARTITIONER_BUDGET] = float(budget)
-        if solver != PARTITIONER_SOLVERS[0]:
-            params[PARTITIONER_SOLVER] = solver
+        params[PARTITIONER_SOLVER] = solver
+        partitioner_solver(dataclasses.replace(plan, params=params))  # (one of them)
+        if solver == PARTITIONER_SOLVERS[0]:
+            del params[PARTITIONER_SOLVER]
     return dataclasses.replace(plan, params=params)
 
 
