@@ -1051,7 +1051,10 @@ def partitioner_budget(plan: Plan) -> float | None:
 def partitioner_solver(plan: Plan) -> str:
     """The knapsack solver ``plan``'s partitioner budget is compiled with
     (:data:`PARTITIONER_SOLVERS`); :class:`PlanError` for another (a plan loaded from a file)."""
-    solver = plan.params.get(PARTITIONER_SOLVER, PARTITIONER_SOLVERS[0])
+    return _known_solver(plan.params.get(PARTITIONER_SOLVER, PARTITIONER_SOLVERS[0]))
+
+
+def _known_solver(solver: Any) -> str:
     if solver not in PARTITIONER_SOLVERS:
         raise PlanError(
             f"partitioner solver {solver!r} is not one of {', '.join(PARTITIONER_SOLVERS)}"
@@ -1087,10 +1090,8 @@ def with_partitioner_budget(
                 "activation_memory_budget takes 0 to 1"
             )
         params[PARTITIONER_BUDGET] = float(budget)
-        params[PARTITIONER_SOLVER] = solver
-        partitioner_solver(dataclasses.replace(plan, params=params))  # (one of them)
-        if solver == PARTITIONER_SOLVERS[0]:
-            del params[PARTITIONER_SOLVER]
+        if _known_solver(solver) != PARTITIONER_SOLVERS[0]:
+            params[PARTITIONER_SOLVER] = solver
     return dataclasses.replace(plan, params=params)
 
 
