@@ -35,14 +35,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
-from remat.capture.chain import _model_arguments, capture
+from remat.capture.chain import Captured, _model_arguments, capture
 from remat.capture.graph import GraphTrace, trace_graph
 from remat.capture.stages.base import grad_parameters
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
@@ -65,6 +65,7 @@ from remat.execute.chain import (
     partitioner_solver,
     replanning_state,
     step_state,
+    with_eager_stages,
     with_partitioner_budget,
 )
 from remat.execute.graph import apply_graph
@@ -951,19 +952,28 @@ def _auto(
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
-        new = capture(
-            model,
-            (args, kwargs),
-            loss_fn=call_loss,
-            stages=stages,
-            compile=compiled_costs,
-            **capture_options,
-        )
-        base = new
-        held = margin(new.chain.input_bytes)
-        if held:
+        def captured_as(eager: Collection[int] | None = ()) -> Captured:
+            # the new inputs' costs (eager: None, every stage eager; else compiled but the
+            # stages named)
+            return capture(
+                model,
+                (args, kwargs),
+                loss_fn=call_loss,
+                stages=stages,
+                compile=None if eager is None else compiled_costs,
+                eager_stages=eager or (),
+                **capture_options,
+            )
+
+        def with_margin(new: Captured) -> Captured:
+            held = margin(new.chain.input_bytes)
+            if not held:
+                return new
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
-            new = dataclasses.replace(new, chain=chain)
+            return dataclasses.replace(new, chain=chain)
+
+        base = captured_as()
+        new = with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
 
         def measure(p: Plan) -> int:
@@ -979,7 +989,11 @@ def _auto(
                 return step.fit_below_least(new, err, now, measure, base).plan
         if options is None:
             return plan
-        return step.fit_one_graph(new, plan, total_now, now, measure, base).plan
+        fit = step.fit_one_graph(new, plan, total_now, now, measure, base)
+        if fit.one_graph:
+            return fit.plan
+        mix = step.per_stage_mix(new, fit, total_now, now, lambda e: with_margin(captured_as(e)))
+        return mix[1].plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
@@ -1001,11 +1015,26 @@ def _auto(
             fit = step.fit_below_least(captured, refused, None, measure_first)
         else:
             fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
+        ran = captured
+        if not fit.one_graph:
+
+            def captured_as(eager: Collection[int] | None) -> Captured:
+                return capture(
+                    model,
+                    batch,
+                    loss_fn=loss_fn,
+                    stages=stages,
+                    compile=None if eager is None else compiled_costs,
+                    eager_stages=eager or (),
+                    **capture_options,
+                )
+
+            ran, fit = step.per_stage_mix(captured, fit, total, None, captured_as)
         chosen = fit.plan
         planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
-    else:
-        planned = build(chosen)
+        return planned, step.summary(ran, chosen, total, fit, fake=bool(capture_options))
+    planned = build(chosen)
     return planned, step.summary(captured, chosen, total, fit, fake=bool(capture_options))
 
 
@@ -1146,6 +1175,83 @@ class _StepModel:
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
             store_all=_store_all_trials(new.chain),
         )
+
+    def per_stage_mix(
+        self,
+        new: Captured,
+        fit: _OneGraphFit,
+        total: int | None,
+        now: _Trained | None,
+        captured_as: Callable[[Collection[int] | None], Captured],
+    ) -> tuple[Captured, _OneGraphFit]:
+        """``fit`` (a plan run a graph per stage, its stages' costs captured compiled in
+        ``new``) with the stages that run faster eager left eager, where the plan for the mix
+        meets ``total`` and is predicted faster; else ``(new, fit)`` unchanged.
+        ``captured_as(eager)`` captures the same step with every stage eager (None) or with the
+        stages numbered in ``eager`` eager and the rest compiled.
+
+        NOTE [ A stage compiled where it pays ]: a stage compiled on its own pays dynamo's
+        guards and a compiled function's call around its kernels, about 0.1 ms forward and
+        backward on the shared CPU, again at each recomputation; a small stage (an MLP chain's
+        Linear or GELU alone) ran slower so than eager: at the least budget the same plan took
+        181.3 ms a step a graph per stage against 155.5 ms eager (docs/results/compile). So
+        where the step runs a graph per stage, the stages are captured eager too, and a stage
+        runs eager where its forward and backward measured faster eager and it holds no more
+        there (its output, saved bytes, transients and small scratch each at most the compiled
+        ones): the chain of the mix then costs no more memory than the compiled one at any
+        plan. The mix is captured again as it runs, and the faster of the planner's plan for it
+        and the compiled step's plan (the planner's whole-step search is not monotone in the
+        costs: the MLP's mix with smaller transients was refused at the compiled least) runs
+        where it meets the budget and its predicted time is below the compiled plan's. Stages alike (the
+        same module class, parameter shapes and input and output sizes: an MLP's 16 Linear
+        layers) are judged on their times together: one stage's few timed runs on a shared
+        machine are noisy: the MLP chain's Linear stages judged one by one were split by that
+        noise, and the mix ran 0.92 of the all-compiled step's time; judged together all ran
+        eager, 0.82 of it."""
+        compiled = new.chain
+        eager_captured = captured_as(None)
+        eager = eager_captured.chain
+
+        def took(chain: Chain, stages: list[int]) -> float:
+            return sum(chain.fwd_time[i] + chain.bwd_time[i] for i in stages)
+
+        def no_larger(i: int) -> bool:
+            fields = (
+                "out_bytes",
+                "saved_bytes",
+                "fwd_overhead_bytes",
+                "fwd_none_overhead_bytes",
+                "bwd_overhead_bytes",
+            )
+            return all(getattr(eager, f)[i] <= getattr(compiled, f)[i] for f in fields) and all(
+                a <= b for a, b in zip(_scratch(eager_captured, i), _scratch(new, i), strict=True)
+            )
+
+        left = [
+            i + 1
+            for like in _alike_stages(new).values()
+            if took(eager, like) < took(compiled, like)
+            for i in like
+            if no_larger(i)
+        ]
+        mixed = captured_as(left)
+        costs = self.costs(mixed, now)
+        plans = [fit.plan.made_for(mixed.chain)]  # it holds no more on the mix
+        with contextlib.suppress(BudgetTooSmallError):
+            plans.append(plan_for_step(mixed.chain, costs, total, self.method))
+        fitting = [
+            p for p in plans if total is None or step_peak_of(mixed.chain, p, costs) <= total
+        ]
+        if not fitting:
+            return new, fit
+        plan = min(fitting, key=lambda p: simulate(mixed.chain, p).total_time)
+        if simulate(mixed.chain, plan).total_time >= simulate(compiled, fit.plan).total_time:
+            return new, fit
+        plan = with_eager_stages(plan, left)
+        shown = describe_compiled(plan).removeprefix(plan.describe()).strip()
+        note = f"{shown}: faster so than compiled alone, measured"
+        note = f"{fit.note}; {note}" if fit.note else note
+        return mixed, _OneGraphFit(plan, step_peak_of(mixed.chain, plan, costs), fit.over, note)
 
     def baseline(
         self, new: Captured, plan: Plan, now: _Trained | None, base: Captured | None = None
@@ -1488,6 +1594,23 @@ def _first_capture(
     )
     options = _capture_options(model, True)
     return run(options), options
+
+
+def _scratch(captured: Captured, i: int) -> tuple[int, int]:
+    """Stage ``i``'s small scratch, forward and backward (:attr:`Captured.small_scratch_bytes`)."""
+    return captured.small_scratch_bytes[i] if captured.small_scratch_bytes else (0, 0)
+
+
+def _alike_stages(captured: Captured) -> dict[Any, list[int]]:
+    """The stages (indices from 0) grouped by class, parameter shapes and the bytes they take
+    in and give out (NOTE [ A stage compiled where it pays ] in :meth:`_StepModel.per_stage_mix`)."""
+    chain = captured.chain
+    groups: dict[Any, list[int]] = {}
+    for i, module in enumerate(captured.stages.modules):
+        shapes = tuple(tuple(p.shape) for p in module.parameters())
+        taken = chain.out_bytes[i - 1] if i else chain.input_bytes
+        groups.setdefault((type(module), shapes, taken, chain.out_bytes[i]), []).append(i)
+    return groups
 
 
 def _batch_for_meta_parameters(model: nn.Module, batch: Any, fake: bool) -> Any:

@@ -78,7 +78,7 @@ import statistics
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -250,6 +250,7 @@ def capture(
     time_model: TimeModel | None = None,
     *,
     compile: Mapping[str, Any] | None = None,
+    eager_stages: Collection[int] = (),
 ) -> Captured:
     """Like :func:`capture_chain`, also returning the :class:`~remat.capture.stages.Stages` (for the
     executor). ``stages`` names the boundaries for models that are not cut automatically.
@@ -264,19 +265,32 @@ def capture(
     recomputes some pointwise ops instead of saving them: a GPT-2 block saves about 40% less
     than eager), its transients and parameter gradients by the allocator's own events, and
     its times after warm-up. The last stage is its module compiled, with ``finish`` and the
-    loss eager, as in the planned step."""
+    loss eager, as in the planned step. ``eager_stages`` (numbers from 1, with ``compile``):
+    stages that run eager among the compiled ones, measured so (NOTE [ A stage compiled where
+    it pays ] in remat.auto)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if time_model is not None and not fake:
         raise ValueError("time_model is for fake=True captures: a real capture times the stages")
     if fake and compile is not None:
         raise ValueError("compile= needs a real capture (fake=False): it runs the stages")
+    if eager_stages and compile is None:
+        raise ValueError("eager_stages= is for a compiled capture (compile=...)")
     loss_fn = loss_fn or default_loss_fn
     split = split_stages(model, stages)
     with HeldPastStep(model, batch, fake) as held:
         with garbage_collected():  # NOTE [ Collect before measuring ] in remat.measure.events
             captured = _capture(
-                model, batch, loss_fn, split, fake, repeats, progress, time_model, compile
+                model,
+                batch,
+                loss_fn,
+                split,
+                fake,
+                repeats,
+                progress,
+                time_model,
+                compile,
+                eager_stages,
             )
     return replace(captured, held_past_step_bytes=held.bytes)
 
@@ -291,6 +305,7 @@ def _capture(
     progress: bool,
     time_model: TimeModel | None = None,
     compile: Mapping[str, Any] | None = None,
+    eager_stages: Collection[int] = (),
 ) -> Captured:
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
@@ -308,7 +323,7 @@ def _capture(
             # (the stages run as the planned forward runs them, autocast's cache off: compiled,
             # dynamo guards on that global state, and each stage was compiled twice)
             with torch.random.fork_rng(devices=devices), no_autocast_cache():
-                calls = None if compile is None else compile_stages(split, compile)
+                calls = None if compile is None else compile_stages(split, compile, eager_stages)
                 chain, rises, output, kept, small, external = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
@@ -332,9 +347,12 @@ def _capture(
     )
 
 
-def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[[Any], Any], ...]:
+def compile_stages(
+    split: Stages, options: Mapping[str, Any], eager: Collection[int] = ()
+) -> tuple[Callable[[Any], Any], ...]:
     """Each stage's module compiled on its own (``torch.compile`` with ``options``, static
-    shapes): what ``remat.apply(..., compile=...)`` runs for a plan not marked one-graph and
+    shapes), but the stages numbered in ``eager`` (from 1), which run as their modules: what
+    ``remat.apply(..., compile=...)`` runs for a plan not marked one-graph and
     ``capture(compile=...)`` measures.
 
     NOTE [ One graph per stage ]: a compiled plan that is not marked one-graph (what
@@ -355,13 +373,21 @@ def compile_stages(split: Stages, options: Mapping[str, Any]) -> tuple[Callable[
     # eagerly (DenseNet-121's dense-layer groups: 15 input widths; RegNet's 6 block stages
     # re-planned for a second batch shape: 12). The limit is raised to the most stages
     # compiled on one code object in this process, every re-plan's and executor's counted.
-    codes = [getattr(type(m).forward, "__code__", None) for m in split.modules]
+    compiled = [i not in eager for i in range(1, split.n + 1)]
+    codes = [
+        getattr(type(m).forward, "__code__", None)
+        for m, c in zip(split.modules, compiled, strict=True)
+        if c
+    ]
     _COMPILED_STAGES.update(code for code in codes if code is not None)
     most = max((_COMPILED_STAGES[code] for code in codes if code is not None), default=0)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, most)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, most)
-    return tuple(torch.compile(module, **opts) for module in split.modules)
+    return tuple(
+        torch.compile(module, **opts) if c else module
+        for module, c in zip(split.modules, compiled, strict=True)
+    )
 
 
 _COMPILED_STAGES: Counter[Any] = Counter()
@@ -505,8 +531,8 @@ def _measure_chain(
     tuple[tuple[int, int], ...],
     int,
 ]:
-    """``calls``: what runs each stage instead of its module (compiled: :func:`compile_stages`,
-    measured by :func:`measure_compiled_stage`). The last item is :attr:`Captured.external_bytes`."""
+    """``calls``: what runs each stage (:func:`compile_stages`: a compiled one is measured by
+    :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last item is :attr:`Captured.external_bytes`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -565,7 +591,7 @@ def _measure_chain(
                 run = _under(autocast, stage)
             versions = _versions(_tensors(x))
             try:
-                if calls is not None:
+                if stage is not module:
                     cost, out = measure_compiled_stage(run, x, fixed | outside, repeats, params)
                 else:
                     cost, out = measure_stage(

@@ -39,7 +39,7 @@ import logging
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,8 @@ __all__ = [
     "apply",
     "as_one_graph",
     "describe_compiled",
+    "eager_stages",
+    "with_eager_stages",
     "partitioner_budget",
     "partitioner_solver",
     "with_partitioner_budget",
@@ -589,7 +591,7 @@ class _Executor:
             # each stage its own graph (NOTE [ One graph per stage ]), inside the eager
             # checkpoints (nested ones too); one executor per plan:
             # a new input signature gets its own plan (static shapes: the plan is for these)
-            self.compiled = compile_stages(stages, compile_options)
+            self.compiled = compile_stages(stages, compile_options, eager_stages(plan))
         self.program = self._program(self.tree)
         """The tree as what :meth:`run` walks, made once (NOTE [ The executor's program ])."""
         self._ends = _untraceable_ends(self.program) if one_graph else ((), (), ())
@@ -1064,8 +1066,11 @@ def _known_solver(solver: Any) -> str:
 
 def describe_compiled(plan: Plan) -> str:
     """``plan.describe()``, with its partitioner budget when it has one (and its solver when it
-    is not the default)."""
+    is not the default), or the stages that run eager among compiled ones."""
     knob = partitioner_budget(plan)
+    eager = eager_stages(plan)
+    if eager:
+        return f"{plan.describe()} with stage{'s' * (len(eager) > 1)} {_numbers(eager)} eager"
     if knob is None:
         return plan.describe()
     solver = partitioner_solver(plan)
@@ -1095,6 +1100,52 @@ def with_partitioner_budget(
     return dataclasses.replace(plan, params=params)
 
 
+EAGER_STAGES = "eager_stages"
+"""``Plan.params[EAGER_STAGES]``: the stages (numbers from 1) of a plan run a graph per stage
+(NOTE [ One graph per stage ] in remat.capture.chain) that run eager, as their modules, because
+remat.auto measured them faster so (NOTE [ A stage compiled where it pays ] in remat.auto);
+absent: every stage compiled. Not read in one-graph mode, where the forward is one graph."""
+
+
+def eager_stages(plan: Plan) -> frozenset[int]:
+    """The stages (numbers from 1) ``plan`` runs eager under per-stage compile
+    (:data:`EAGER_STAGES`); :class:`PlanError` for anything but stage numbers of the plan."""
+    value = plan.params.get(EAGER_STAGES, ())
+    numbers = value if isinstance(value, list | tuple) else [value]
+    n = plan.n
+    if not all(
+        isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= (n or i) for i in numbers
+    ):
+        raise PlanError(
+            f"{EAGER_STAGES} {value!r} must list stage numbers from 1"
+            + (f" to {n}" if n else "")
+            + " (the stages that run eager under per-stage compile)"
+        )
+    return frozenset(numbers)
+
+
+def with_eager_stages(plan: Plan, stages: Iterable[int]) -> Plan:
+    """``plan`` run a graph per stage with ``stages`` (numbers from 1) eager
+    (:data:`EAGER_STAGES`; none: every stage compiled)."""
+    params = {k: v for k, v in plan.params.items() if k != EAGER_STAGES}
+    if stages := sorted(set(stages)):
+        params[EAGER_STAGES] = stages
+    marked = dataclasses.replace(plan, params=params)
+    eager_stages(marked)  # checked
+    return marked
+
+
+def _numbers(numbers: Iterable[int]) -> str:
+    """Stage numbers as runs: ``1, 3-5``."""
+    runs: list[list[int]] = []
+    for i in sorted(numbers):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
     """``plan`` marked to run compiled as one graph (or, with ``one_graph=False``, not, and
     without a partitioner budget); :class:`PlanError` for a nested plan (NOTE [ One compiled
@@ -1102,6 +1153,7 @@ def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
     params = {k: v for k, v in plan.params.items() if k != "compiled"}
     if one_graph:
         params["compiled"] = ONE_GRAPH
+        params.pop(EAGER_STAGES, None)
     else:
         params.pop(PARTITIONER_BUDGET, None)
         params.pop(PARTITIONER_SOLVER, None)
@@ -1236,7 +1288,9 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
             f"{stages.fingerprint}); make a plan for this model with "
             "remat.capture_chain(model, batch) and remat.plan (or remat.auto)"
         )
-    return plan.for_chain(n)
+    resolved = plan.for_chain(n)
+    eager_stages(resolved)  # checked against the stages, whether or not it runs compiled
+    return resolved
 
 
 class PlannedWrapper(nn.Module):
