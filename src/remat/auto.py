@@ -938,33 +938,26 @@ def _auto(
     spec = _replan_budget(budget, total)
     example = _model_arguments(model, loss_fn or default_loss_fn, batch)
 
-    def measure_loss() -> tuple[int, int]:
-        proxy = capture(
+    def captured_as(inputs: Any, loss: Any, eager: Collection[int] | None = ()) -> Captured:
+        # the costs of a step on ``inputs`` (eager: None, every stage eager; else, compiled,
+        # the stages named eager: NOTE [ A stage compiled where it pays ])
+        return capture(
             model,
-            example,
-            loss_fn=call_loss,
+            inputs,
+            loss_fn=loss,
             stages=stages,
-            compile=compiled_costs,
+            compile=None if eager is None else compiled_costs,
+            eager_stages=eager or (),
             **capture_options,
         )
+
+    def measure_loss() -> tuple[int, int]:
+        proxy = captured_as(example, call_loss)
         return step.unplanned_peak(captured) - step.unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
-        def captured_as(eager: Collection[int] | None = ()) -> Captured:
-            # the new inputs' costs (eager: None, every stage eager; else compiled but the
-            # stages named)
-            return capture(
-                model,
-                (args, kwargs),
-                loss_fn=call_loss,
-                stages=stages,
-                compile=None if eager is None else compiled_costs,
-                eager_stages=eager or (),
-                **capture_options,
-            )
-
         def with_margin(new: Captured) -> Captured:
             held = margin(new.chain.input_bytes)
             if not held:
@@ -972,7 +965,7 @@ def _auto(
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             return dataclasses.replace(new, chain=chain)
 
-        base = captured_as()
+        base = captured_as((args, kwargs), call_loss)
         new = with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
 
@@ -992,8 +985,8 @@ def _auto(
         fit = step.fit_one_graph(new, plan, total_now, now, measure, base)
         if fit.one_graph:
             return fit.plan
-        mix = step.per_stage_mix(new, fit, total_now, now, lambda e: with_margin(captured_as(e)))
-        return mix[1].plan
+        mixed = lambda e: with_margin(captured_as((args, kwargs), call_loss, e))  # noqa: E731
+        return step.per_stage_mix(new, fit, total_now, now, mixed)[1].plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
@@ -1017,19 +1010,8 @@ def _auto(
             fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
         ran = captured
         if not fit.one_graph:
-
-            def captured_as(eager: Collection[int] | None) -> Captured:
-                return capture(
-                    model,
-                    batch,
-                    loss_fn=loss_fn,
-                    stages=stages,
-                    compile=None if eager is None else compiled_costs,
-                    eager_stages=eager or (),
-                    **capture_options,
-                )
-
-            ran, fit = step.per_stage_mix(captured, fit, total, None, captured_as)
+            mixed = lambda e: captured_as(batch, loss_fn, e)  # noqa: E731
+            ran, fit = step.per_stage_mix(captured, fit, total, None, mixed)
         chosen = fit.plan
         planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
