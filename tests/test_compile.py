@@ -930,6 +930,31 @@ def test_a_plan_runs_the_stages_it_names_eager_among_its_compiled_stages() -> No
             remat.apply(model, remat.Plan.from_json(text), compile=PARTITIONER)
 
 
+@pytest.mark.parametrize("eager", [[], [2], [1, 2, 3, 4]], ids=["none", "the-norm", "all"])
+def test_a_batch_norm_stage_run_eager_among_compiled_ones_updates_its_statistics_once(
+    eager: list[int],
+) -> None:
+    # a graph per stage copies the running statistics around a recomputation (the eager
+    # executor pauses torch's update instead, which a compiled frame would be specialised on):
+    # a stage left eager among compiled ones is recomputed the same way, so its batch norm
+    # updates once a step, as the unplanned model's does
+    from remat.execute.chain import with_eager_stages
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    segments = (ChainSegment(1, 3, True), ChainSegment(4, 4))
+    plan = with_eager_stages(remat.Plan.from_chain_segments(segments), eager)
+    planned = remat.apply(model, plan, compile=PARTITIONER)
+    for _ in range(2):
+        x = torch.randn(8, 8)
+        planned(x).sum().backward()
+        reference(x).sum().backward()
+        assert_equal_grads(model, reference)
+    for (key, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("tanh_faster_eager", [True, False], ids=["tanh-eager", "all-compiled"])
 def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
     monkeypatch: pytest.MonkeyPatch, tanh_faster_eager: bool
