@@ -967,8 +967,10 @@ def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
     # The promises hold on the mix: eager's gradients, the measured peak within the prediction
     # and the prediction within remat's least compiled budget, which it still meets
     real = AUTO.capture
+    captures: list[tuple[bool, tuple[int, ...]]] = []  # (eager, the stages left eager)
 
     def timed(*args: Any, compile: Any = None, eager_stages: Any = (), **kwargs: Any) -> Any:
+        captures.append((compile is None, tuple(eager_stages)))
         captured = real(*args, compile=compile, eager_stages=eager_stages, **kwargs)
         n = captured.chain.n
         ran_eager = [compile is None or i + 1 in eager_stages for i in range(n)]
@@ -1013,6 +1015,7 @@ def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
         assert "with stages" in str(summary)
     else:
         assert "eager_stages" not in planned.plan.params and ran_eager == []
+        assert captures[-1] == (True, ())  # no stage pays eager: no mix captured after it
         assert "eager" not in summary.compiled_note.split("no other plan")[-1]
     loss_fn(planned, x).backward()
     loss_fn(reference, x).backward()

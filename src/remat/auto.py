@@ -1184,12 +1184,13 @@ class _StepModel:
         plan. The mix is captured again as it runs, and the faster of the planner's plan for it
         and the compiled step's plan (the planner's whole-step search is not monotone in the
         costs: the MLP's mix with smaller transients was refused at the compiled least) runs
-        where it meets the budget and its predicted time is below the compiled plan's. Stages alike (the
-        same module class, parameter shapes and input and output sizes: an MLP's 16 Linear
-        layers) are judged on their times together: one stage's few timed runs on a shared
-        machine are noisy: the MLP chain's Linear stages judged one by one were split by that
-        noise, and the mix ran 0.92 of the all-compiled step's time; judged together all ran
-        eager, 0.82 of it."""
+        where it meets the budget and its predicted time is below the compiled plan's.
+
+        Stages alike (the same module class, parameter shapes and input and output sizes: an
+        MLP's 16 Linear layers) are judged on their times together: one stage's few timed runs
+        on a shared machine are noisy. The MLP chain's Linear stages judged one by one were
+        split by that noise, and the mix ran 0.92 of the all-compiled step's time; judged
+        together all ran eager, 0.82 of it."""
         compiled = new.chain
         eager_captured = captured_as(None)
         eager = eager_captured.chain
@@ -1216,6 +1217,8 @@ class _StepModel:
             for i in like
             if no_larger(i)
         ]
+        if not left:
+            return new, fit
         mixed = captured_as(left)
         costs = self.costs(mixed, now)
         plans = [fit.plan.made_for(mixed.chain)]  # it holds no more on the mix
