@@ -98,14 +98,14 @@ class Segment:
                 raise PlanError(f"expected Segment children, got {child!r}")
             if not set(child.nodes) <= inside:
                 raise PlanError(
-                    f"child segment {_span(child.nodes)} is not inside its parent {_span(nodes)}"
+                    f"child segment {span(child.nodes)} is not inside its parent {span(nodes)}"
                 )
             if seen & set(child.nodes):
-                raise PlanError(f"child segments of {_span(nodes)} overlap")
+                raise PlanError(f"child segments of {span(nodes)} overlap")
             seen |= set(child.nodes)
             if child.nodes == nodes:
                 raise PlanError(
-                    f"segment {_span(nodes)} is checkpointed twice over the same nodes; that "
+                    f"segment {span(nodes)} is checkpointed twice over the same nodes; that "
                     "recomputes everything again for nothing"
                 )
 
@@ -149,7 +149,7 @@ class Segment:
 
     def describe(self) -> str:
         inner = " ".join(c.describe() for c in self.children)
-        return "{" + _span(self.nodes) + (f": {inner}" if inner else "") + "}"
+        return "{" + span(self.nodes) + (f": {inner}" if inner else "") + "}"
 
 
 @dataclass(frozen=True)
@@ -215,13 +215,13 @@ class ChainSegment:
 
     def describe(self) -> str:
         """Compact text: ``[1-3]`` stored, ``(4-6)`` checkpointed, nesting shown inside."""
-        span = f"{self.start}" if self.start == self.stop else f"{self.start}-{self.stop}"
+        stages = f"{self.start}" if self.start == self.stop else f"{self.start}-{self.stop}"
         if not self.checkpoint:
-            return f"[{span}]"
+            return f"[{stages}]"
         inner = self.children
         if len(inner) == 1 and not inner[0].checkpoint:
-            return f"({span})"
-        return f"({span}: {' '.join(c.describe() for c in inner)})"
+            return f"({stages})"
+        return f"({stages}: {' '.join(c.describe() for c in inner)})"
 
     @classmethod
     def from_obj(cls, obj: Any) -> ChainSegment:
@@ -312,7 +312,7 @@ class Plan:
                 raise PlanError(f"a plan is made for at least one node, got n={self.n!r}")
             if segments and max(s.last for s in segments) >= self.n:
                 raise PlanError(
-                    f"segment {_span(segments[-1].nodes)} names node {segments[-1].last} of a "
+                    f"segment {span(segments[-1].nodes)} names node {segments[-1].last} of a "
                     f"plan made for {self.n} nodes"
                 )
 
@@ -474,7 +474,7 @@ class Plan:
             )
         if self.segments and max(s.last for s in self.segments) >= n:
             raise PlanError(
-                f"segment {_span(self.segments[-1].nodes)} names node {self.segments[-1].last} "
+                f"segment {span(self.segments[-1].nodes)} names node {self.segments[-1].last} "
                 f"but the {_what(structure)} has {n} nodes: re-plan for it"
             )
         if not isinstance(structure, int):
@@ -503,7 +503,7 @@ class Plan:
             for seg in sorted(segs, key=lambda s: s.first):
                 if not seg.is_interval():
                     raise PlanError(
-                        f"segment {_span(seg.nodes)} is not a run of consecutive nodes: no chain "
+                        f"segment {span(seg.nodes)} is not a run of consecutive nodes: no chain "
                         "plan has it"
                     )
                 if seg.first > pos:
@@ -669,8 +669,9 @@ def _unit(chain: bool) -> str:
     return "stages" if chain else "nodes"
 
 
-def _span(nodes: Sequence[int]) -> str:
-    """``0-3`` for a run, ``0,2,5`` otherwise (runs inside are compressed: ``0-3,7``)."""
+def span(nodes: Sequence[int], sep: str = ",") -> str:
+    """``0-3`` for a run, ``0,2,5`` otherwise (runs inside are compressed: ``0-3,7``), the
+    parts joined by ``sep``."""
     parts: list[str] = []
     i = 0
     while i < len(nodes):
@@ -679,7 +680,7 @@ def _span(nodes: Sequence[int]) -> str:
             j += 1
         parts.append(str(nodes[i]) if i == j else f"{nodes[i]}-{nodes[j]}")
         i = j + 1
-    return ",".join(parts)
+    return sep.join(parts)
 
 
 def _check_cover(segments: Sequence[ChainSegment], start: int, stop: int, what: str) -> None:

@@ -59,7 +59,7 @@ from remat.capture.stages import (
     traceable,
 )
 from remat.core.errors import RematError
-from remat.core.plan import ChainSegment, Plan, PlanError
+from remat.core.plan import ChainSegment, Plan, PlanError, span
 from remat.guards import (
     InPlaceInputError,
     _versions,
@@ -1070,7 +1070,7 @@ def describe_compiled(plan: Plan) -> str:
     knob = partitioner_budget(plan)
     eager = eager_stages(plan)
     if eager:
-        return f"{plan.describe()} with stage{'s' * (len(eager) > 1)} {_numbers(eager)} eager"
+        return f"{plan.describe()} with stage{'s' * (len(eager) > 1)} {span(sorted(eager), ', ')} eager"
     if knob is None:
         return plan.describe()
     solver = partitioner_solver(plan)
@@ -1133,17 +1133,6 @@ def with_eager_stages(plan: Plan, stages: Iterable[int]) -> Plan:
     marked = dataclasses.replace(plan, params=params)
     eager_stages(marked)  # checked
     return marked
-
-
-def _numbers(numbers: Iterable[int]) -> str:
-    """Stage numbers as runs: ``1, 3-5``."""
-    runs: list[list[int]] = []
-    for i in sorted(numbers):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def as_one_graph(plan: Plan, one_graph: bool = True) -> Plan:
