@@ -955,19 +955,15 @@ def test_a_batch_norm_stage_run_eager_among_compiled_ones_updates_its_statistics
         torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("tanh_faster_eager", [True, False], ids=["tanh-eager", "all-compiled"])
-def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
+def _fake_stage_times(
     monkeypatch: pytest.MonkeyPatch, tanh_faster_eager: bool
-) -> None:
-    # NOTE [ A stage compiled where it pays ] in remat.auto: where the step runs a graph per
-    # stage, stages alike that measured faster eager (and hold no more so) run eager, the plan
-    # made for that mix as captured. The times are set here (at this size the shared CPU's are
-    # noise): every stage compiled 1 s forward and 2 s backward; eager, the Linear stages twice
-    # that and the Tanh stages half of it (or, in the other case, twice too: none runs eager).
-    # The promises hold on the mix: eager's gradients, the measured peak within the prediction
-    # and the prediction within remat's least compiled budget, which it still meets
+) -> list[tuple[bool, tuple[int, ...]]]:
+    """Sets the times of auto's captures (at this size the shared CPU's are noise): every stage
+    compiled 1 s forward and 2 s backward; eager, the Linear stages twice that and the Tanh
+    stages half of it (or, unless ``tanh_faster_eager``, twice too: none runs faster eager).
+    Gives the list each capture appends to: (eager, the stages left eager)."""
     real = AUTO.capture
-    captures: list[tuple[bool, tuple[int, ...]]] = []  # (eager, the stages left eager)
+    captures: list[tuple[bool, tuple[int, ...]]] = []
 
     def timed(*args: Any, compile: Any = None, eager_stages: Any = (), **kwargs: Any) -> Any:
         captures.append((compile is None, tuple(eager_stages)))
@@ -986,6 +982,20 @@ def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
         return dataclasses.replace(captured, chain=chain)
 
     monkeypatch.setattr(AUTO, "capture", timed)
+    return captures
+
+
+@pytest.mark.parametrize("tanh_faster_eager", [True, False], ids=["tanh-eager", "all-compiled"])
+def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
+    monkeypatch: pytest.MonkeyPatch, tanh_faster_eager: bool
+) -> None:
+    # NOTE [ A stage compiled where it pays ] in remat.auto: where the step runs a graph per
+    # stage, stages alike that measured faster eager (and hold no more so) run eager, the plan
+    # made for that mix as captured. The times are set (_fake_stage_times): eager, the Tanh
+    # stages run faster (or, in the other case, none does).
+    # The promises hold on the mix: eager's gradients, the measured peak within the prediction
+    # and the prediction within remat's least compiled budget, which it still meets
+    captures = _fake_stage_times(monkeypatch, tanh_faster_eager)
     model = mlp(depth=8)
     reference = copy.deepcopy(model)
     x = torch.randn(256, 64)
@@ -1031,6 +1041,50 @@ def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
         measured,
         summary.predicted_peak_bytes,
     )
+
+
+def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the re-plan for a new input shape goes the same way as the first plan (auto's replan):
+    # planned on 128 rows at the least budget of 256 rows it runs one graph; on 256 rows the
+    # re-plan ends in a graph per stage, and the Tanh stages, faster eager there
+    # (_fake_stage_times), run eager. Its step meets the budget with eager's gradients, and
+    # the next step on that shape re-plans nothing
+    captures = _fake_stage_times(monkeypatch, tanh_faster_eager=True)
+    model = mlp(depth=8)
+    reference = copy.deepcopy(model)
+    big = torch.randn(256, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def auto(batch: torch.Tensor, budget: int) -> tuple[nn.Module, Any]:
+        return remat.auto(model, batch, budget=budget, compile=PARTITIONER, optimizer=optimizer)
+
+    with pytest.raises(remat.BudgetTooSmallError) as info:
+        auto(big, 1)
+    least = info.value.minimum_bytes
+    planned, summary = auto(big[:128], least)
+    assert summary.compiled == "one-graph" and "eager_stages" not in planned.plan.params
+    captures.clear()
+
+    def step() -> None:
+        planned(big).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    planned(big).sum().backward()  # re-plans for 256 rows
+    reference(big).sum().backward()
+    assert_equal_grads(model, reference)
+    assert captures[-2:] == [(True, ()), (False, (2, 4, 6, 8, 10, 12, 14, 16))], captures
+    tanh = [i + 1 for i, m in enumerate(model) if isinstance(m, nn.Tanh)]
+    assert planned.plan.params["eager_stages"] == tanh
+    ran = planned._executor.compiled
+    assert [i + 1 for i, (r, m) in enumerate(zip(ran, model, strict=True)) if r is m] == tanh
+    optimizer.zero_grad(set_to_none=True)
+    captures.clear()
+    measured = step_peak_bytes(step, model, optimizer, big)
+    assert captures == []
+    assert measured <= least, (measured, least)
 
 
 def test_compiled_budget_below_the_stages_least_runs_as_one_graph_and_its_minimum_is_accepted() -> (
