@@ -8,11 +8,18 @@ results (docs/results/compile) are inductor's. No timing is asserted: a ratio is
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import remat.bench.compile as compile_suite
+import remat.bench.suites as suites
+from remat.bench.methods import Workload
+from remat.bench.suites import eager_reference, gradient_error, run_suite
 from remat.cli import main
 
 
@@ -41,6 +48,7 @@ def test_quick_compile_bench_writes_every_point(
         assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] > 0, row
         assert row["time_ratio"] > 0 and row["memory_ratio"] > 0, row
         assert row["max_grad_rel_diff"] < 1e-4, row
+        assert row["grad_error_fp64"] < 1e-5, row  # float32's rounding, against float64
         assert isinstance(row["goal_holds"], bool)
         assert row["machine"]
     for row in rows:
@@ -113,3 +121,59 @@ def test_the_paired_time_decides_where_it_was_measured() -> None:
     assert point["paired_points"] == ["remat-compiled@a", "remat-compiled@c"]
     assert not point["dominated"] and point["paired_ratio"] == pytest.approx(1.01)
     assert point["within_noise"]
+
+
+def test_gradient_error_reads_a_zero_gradient_as_its_absolute_error() -> None:
+    # a tensor whose true gradient is zero (DenseNet-121's stem batch norm: each consumer of its
+    # output starts with a batch norm) comes out as rounding noise: per tensor, two runs differ
+    # by 200 % of its largest value; over the whole gradient, by its absolute error
+    want = {"stem": torch.tensor([1e-7, -1e-7]), "conv": torch.tensor([3.0, 4.0])}
+    got = {"stem": torch.tensor([-1e-7, 1e-7]), "conv": torch.tensor([3.0, 4.0])}
+    assert gradient_error(got, want) == pytest.approx(math.sqrt(8e-14) / 5, rel=1e-6)
+    got["conv"] = torch.tensor([3.0, 5.0])  # a real difference shows
+    assert gradient_error(got, want) == pytest.approx(1 / 5, rel=1e-6)
+
+
+def test_the_float64_reference_draws_eagers_dropout_masks() -> None:
+    # the float64 step runs on a copy with the same seed: the same masks, so eager's error
+    # against it is float32's rounding (with other masks it would be of the order of 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(64, 4))
+    batch = torch.randn(32, 16)
+    work = Workload("dropout-mlp", model, batch, lambda m, b: m(b).square().mean())
+    ref = eager_reference(work)
+    assert ref.fp64 is not None and set(ref.fp64) == set(ref.fp32)
+    assert all(g.dtype == torch.float64 for g in ref.fp64.values())
+    assert next(model.parameters()).dtype == torch.float32  # the model itself is untouched
+    assert 0 < gradient_error(ref.fp32, ref.fp64) < 1e-6
+    torch.manual_seed(99)
+    other = {k: g.double() for k, g in _grads_with_other_masks(model, batch).items()}
+    assert gradient_error(ref.fp32, other) > 0.05
+
+
+def _grads_with_other_masks(model: nn.Module, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(batch).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_every_suite_runs_compiled_code_with_eagers_random_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # inductor's own random numbers gave GPT-2's compiled steps other dropout masks than eager's
+    # (gradients 0.81-0.97 apart): the suites run with fallback_random, as torch's own accuracy
+    # benchmarks do
+    import torch._inductor.config as inductor_config
+
+    seen: list[bool] = []
+
+    def suite(models: list[str], quick: bool, progress: Any) -> list[dict]:
+        seen.append(inductor_config.fallback_random)
+        return []
+
+    monkeypatch.setitem(suites.SUITES, "peers", suite)
+    run_suite("peers", tmp_path, models=["mlp-chain"])
+    assert seen == [True]
+    assert inductor_config.fallback_random is False

@@ -51,7 +51,7 @@ from remat.bench.methods import Setup, Workload, compile_setup, remat_setup
 from remat.bench.report import markdown_table
 from remat.bench.suites import (
     _finish_rows,
-    _grads,
+    eager_reference,
     load_workload,
     measure_setup,
     training_step,
@@ -370,7 +370,7 @@ def suite(models: list[str], quick: bool, progress: Callable[[str], None]) -> li
         start = time.perf_counter()
         work = load_workload(name, **_options(name, quick))
         eager_capture_seconds = time.perf_counter() - start
-        eager_grads = _grads(work.model, work, nullcontext)
+        eager_grads = eager_reference(work)
         measured = [
             measure_setup(Setup("eager", work.model, family="baseline"), work, eager_grads, repeats)
         ]
