@@ -1155,7 +1155,7 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
-            store_all=_store_all_trials(new.chain),
+            store_all=_store_all_trials(new.chain, new.random_stages),
         )
 
     def per_stage_mix(
@@ -1291,7 +1291,8 @@ class _StepModel:
         a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        for p in _partitioner_trials(new.chain) + _least_plans(new.chain, self.method):
+        trials = _partitioner_trials(new.chain, new.random_stages)
+        for p in trials + _least_plans(new.chain, self.method):
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
@@ -1459,17 +1460,20 @@ def _trial(
     return None, over, step
 
 
-def _store_all_trials(chain: Chain) -> list[Plan]:
+def _store_all_trials(chain: Chain | int, random_stages: Collection[int] = ()) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
-    partitioner budget, then at each of :data:`PARTITIONER_TRIALS`."""
-    return [Plan.none(chain), *_partitioner_trials(chain)]
+    partitioner budget, then at each of :data:`PARTITIONER_TRIALS` (:func:`_partitioner_trials`)."""
+    return [Plan.none(chain), *_partitioner_trials(chain, random_stages)]
 
 
-def _partitioner_trials(chain: Chain) -> list[Plan]:
+def _partitioner_trials(chain: Chain | int, random_stages: Collection[int] = ()) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
     knapsack solved exactly and then (measured only where the exact one does not fit: the trials
     are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
-    budget ])."""
+    budget ]); none where a stage draws random numbers (``random_stages``, numbers from 1:
+    dropout), whose gradients the partitioner below budget 1 gets wrong."""
+    if random_stages:
+        return []
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)
         for k in PARTITIONER_TRIALS

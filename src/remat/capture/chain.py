@@ -113,6 +113,7 @@ from remat.measure.scratch import ScratchProbe, ScratchWindow
 
 __all__ = [
     "capture_chain",
+    "draws_random",
     "capture",
     "Captured",
     "StageCost",
@@ -176,6 +177,10 @@ class Captured:
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
     them, a checkpointed one too, until its backward (:attr:`remat.core.step.StepCosts.
     forward_kept_bytes`); not in ``saved_bytes``. Empty when unknown."""
+    random_stages: tuple[int, ...] = ()
+    """The stages (numbers from 1) whose forward draws random numbers (:attr:`StageCost.random`:
+    dropout). remat's executor replays them when it recomputes; torch's partitioner below its
+    budget 1 does not (NOTE [ The partitioner's budget ] in remat.execute.chain)."""
 
     @property
     def loss_bytes(self) -> int:
@@ -223,6 +228,9 @@ class StageCost:
     the parameters and the buffers: a target ``loss_fn`` reads from its closure, a tensor kept
     on a module as a plain attribute. They live all step, whatever the plan: counted with the
     chain's input, not in ``saved_bytes``."""
+    random: bool = False
+    """The forward ran an ATen op tagged ``nondeterministic_seeded`` (it draws random numbers:
+    dropout, ``randn_like``)."""
 
 
 def capture_chain(
@@ -310,7 +318,7 @@ def _capture(
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
-            chain, rises, output, kept, small, external = _measure_chain(
+            chain, rises, output, kept, small, external, random = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -324,7 +332,7 @@ def _capture(
             # dynamo guards on that global state, and each stage was compiled twice)
             with torch.random.fork_rng(devices=devices), no_autocast_cache():
                 calls = None if compile is None else compile_stages(split, compile, eager_stages)
-                chain, rises, output, kept, small, external = _measure_chain(
+                chain, rises, output, kept, small, external, random = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
             copies = writes.written_bytes()
@@ -344,6 +352,7 @@ def _capture(
         external_bytes=external,
         recompute_kept_bytes=stats if any(stats) else (),
         buffer_copy_bytes=copies if any(copies) else (),
+        random_stages=random,
     )
 
 
@@ -530,9 +539,11 @@ def _measure_chain(
     tuple[int, ...],
     tuple[tuple[int, int], ...],
     int,
+    tuple[int, ...],
 ]:
     """``calls``: what runs each stage (:func:`compile_stages`: a compiled one is measured by
-    :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last item is :attr:`Captured.external_bytes`."""
+    :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last items are
+    :attr:`Captured.external_bytes` and :attr:`Captured.random_stages`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -686,6 +697,7 @@ def _measure_chain(
         tuple(c.kept_scalar_bytes for c in costs),
         tuple(c.small_scratch_bytes for c in costs),
         sum(external.values()),
+        tuple(i + 1 for i, c in enumerate(costs) if c.random),
     )
 
 
@@ -812,18 +824,37 @@ def measure_stage(
         kept_scalar_bytes=sum(scalars.values()),
         small_scratch_bytes=(fwd_small, bwd_small),
         external=external,
+        random=made.random,
     )
     return cost, next_input
 
 
+def draws_random(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the ATen op ``func``, called with ``args`` and ``kwargs``, draws random numbers:
+    it is tagged ``nondeterministic_seeded`` (dropout, ``randn_like``) and not given a dropout
+    probability of 0 (``dropout_p``: the fused attention kernels are tagged whether they drop or
+    not, and GPT-2 with its dropout set to 0 counted as random)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            if "dropout_p" in kwargs:
+                return bool(kwargs["dropout_p"])
+            return bool(args[i]) if i < len(args) else bool(arg.default_value)
+    return True
+
+
 class _MadeStorages(TorchDispatchMode):
-    """The storages the ops run under it make (:func:`_keys`): ``keys``."""
+    """The storages the ops run under it make (:func:`_keys`): ``keys``; ``random``: whether one
+    of them draws random numbers (tagged ``nondeterministic_seeded``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.keys: set[int] = set()
+        self.random = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.random = self.random or draws_random(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         self.keys.update(_keys(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
         return out
@@ -875,7 +906,7 @@ def measure_compiled_stage(
         reset()
 
     one_step()
-    external = _external_saved(run, x, inputs, pack, saved)
+    external, random = _external_saved(run, x, inputs, pack, saved)
     inputs.restore()
     fwd_alloc, bwd_alloc = AllocatorWindow(device), AllocatorWindow(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, _identity), fwd_alloc:
@@ -913,6 +944,7 @@ def measure_compiled_stage(
         fwd_time=fwd_time,
         bwd_time=bwd_time,
         external=external,
+        random=random,
     )
     return cost, next_input
 
@@ -923,10 +955,10 @@ def _external_saved(
     inputs: BatchCopy,
     pack: Callable[[torch.Tensor], torch.Tensor],
     saved: dict[int, int],
-) -> dict[int, int]:
-    """:attr:`StageCost.external` of a compiled stage: the storages its forward saves that it
-    did not make (a target ``loss_fn`` reads from its closure), found on one forward run
-    eagerly (``torch.compiler.set_stance("force_eager")``: the op-level count of the storages
+) -> tuple[dict[int, int], bool]:
+    """:attr:`StageCost.external` and :attr:`StageCost.random` of a compiled stage: the storages
+    its forward saves that it did not make (a target ``loss_fn`` reads from its closure), and
+    whether it draws random numbers, found on one forward run eagerly (``torch.compiler.set_stance("force_eager")``: the op-level count of the storages
     made is a TorchDispatchMode, which compiled kernels bypass). Which tensors from outside a
     stage reads is its Python code's, the same compiled; without it, a classifier's target
     (8 bytes a sample) was counted as saved until the last stage's backward, not for the
@@ -942,7 +974,7 @@ def _external_saved(
     del out
     external = {k: v for k, v in saved.items() if k not in made.keys and k not in new_out}
     saved.clear()  # (``pack`` skips ``skip``: the inputs, parameters and buffers)
-    return external
+    return external, made.random
 
 
 def _timed_runs(

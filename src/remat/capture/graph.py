@@ -112,7 +112,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.capture.chain import unhooked_saves
+from remat.capture.chain import draws_random, unhooked_saves
 from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.guards import tensor_version as _version
@@ -170,7 +170,8 @@ class CallInfo:
     view: bool
     """True for a view or alias of an existing storage (no data read or written)."""
     random: bool
-    """True when an ATen op with the ``nondeterministic_seeded`` tag ran inside it."""
+    """True when an ATen op that draws random numbers ran inside it
+    (:func:`remat.capture.chain.draws_random`)."""
     mutated: tuple[int, ...]
     """Positions (in the flattened tensor arguments) of the tensors it modified in place."""
 
@@ -625,7 +626,8 @@ def is_tensor_call(func: Callable[..., Any], outs: list[torch.Tensor], mutated: 
 
 
 class _RandomWatch(TorchDispatchMode):
-    """Marks the current call random when an ATen op tagged ``nondeterministic_seeded`` runs."""
+    """Marks the current call random when an ATen op that draws random numbers runs
+    (:func:`remat.capture.chain.draws_random`)."""
 
     def __init__(self, state: _State) -> None:
         super().__init__()
@@ -635,7 +637,7 @@ class _RandomWatch(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         rec = self.state.current
-        if rec is not None and torch.Tag.nondeterministic_seeded in func.tags:
+        if rec is not None and draws_random(func, args, kwargs or {}):
             rec.random = True
         if rec is not None and not self.state.dispatching and not func.is_view:
             rec.ops += 1

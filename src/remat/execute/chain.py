@@ -1032,6 +1032,16 @@ absent: torch's setting (1 by default)."""
 # (DenseNet-121 at 0.1: 512 B more, so it missed torch.compile@0.1's peak and remat ran a slower
 # plan of its own there, 1.10 of its time): where it does not fit, remat.auto measures the DP's,
 # torch.compile's own point, next.
+# Not where the step draws random numbers (dropout; remat.capture.chain's Captured.random_stages):
+# below budget 1 the partitioner may recompute a random op in the backward, where it draws
+# fresh numbers, so the backward applies another dropout mask than the forward did and the
+# gradients are silently wrong (pytorch/pytorch#190758, open in torch 2.14.1). A probe (an MLP
+# with dropout, float64, a directional finite difference of the compiled step's loss against
+# its gradient) found torch.compile at budget 0 off by 3.6 relative under inductor's random
+# numbers, and at 0.5 and 0 under eager's (``fallback_random``); remat's checkpoints, whose
+# recomputation torch replays with the forward's random state, and budget 1 agreed to 1e-10.
+# So remat.auto tries no partitioner budget on such a step; a plan given one by hand
+# (:func:`with_partitioner_budget`) is run as given.
 PARTITIONER_SOLVERS: tuple[str, ...] = ("ilp", "dp")
 """The knapsack solvers (``torch._functorch.config.activation_memory_budget_solver``) a one-graph
 plan with a partitioner budget may compile with, its default first: torch's exact one (SciPy's
@@ -1084,7 +1094,9 @@ def with_partitioner_budget(
     """``plan`` to be compiled as one graph with inductor's partitioner at
     ``activation_memory_budget=budget`` (None: torch's setting), its knapsack solved by
     ``solver`` (:data:`PARTITIONER_SOLVERS`); NOTE [ The partitioner's budget ].
-    :class:`PlanError` outside 0..1 or for another solver."""
+    :class:`PlanError` outside 0..1 or for another solver. Not for a model that draws random
+    numbers (dropout): below 1 torch's partitioner may recompute them with fresh ones, and the
+    gradients are wrong (pytorch/pytorch#190758); :func:`remat.auto` never gives it one."""
     params = {
         k: v for k, v in plan.params.items() if k not in (PARTITIONER_BUDGET, PARTITIONER_SOLVER)
     }
