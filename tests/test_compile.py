@@ -1439,6 +1439,39 @@ def test_auto_gives_no_partitioner_budget_to_a_step_that_draws_random_numbers(
     assert measured and all(partitioner_budget(p) is None for p in measured)
 
 
+def test_under_inductor_a_partitioner_budget_keeps_dropout_saved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # under inductor the executor marks the ops that draw random numbers MUST_SAVE in the joint
+    # graph (remat.execute.chain._SaveRandomOps), so the partitioner's knapsack leaves them
+    # saved: at budget 0.5 the step's gradient is its loss's (with eager's random numbers,
+    # fallback_random, torch recomputes dropout afresh there: pytorch/pytorch#190758); so
+    # remat.auto tries the partitioner's points on a step with dropout under inductor only
+    import torch._inductor.config as inductor_config
+
+    from remat.execute import chain as executor
+
+    assert executor.keeps_random_saved({}) and executor.keeps_random_saved({"backend": "inductor"})
+    assert not executor.keeps_random_saved(PARTITIONER) and not executor.keeps_random_saved(None)
+    torch.manual_seed(0)
+    layers = [m for _ in range(3) for m in (nn.Linear(32, 32), nn.Dropout(0.3), nn.Tanh())]
+    model = nn.Sequential(*layers).double()
+    x = torch.randn(64, 32, dtype=torch.float64)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    plan = with_partitioner_budget(as_one_graph(remat.Plan.none(9)), 0.5)
+    off: dict[bool, float] = {}
+    with inductor_config.patch(fallback_random=True):
+        for keep in (True, False):
+            monkeypatch.setattr(executor, "keeps_random_saved", lambda options, k=keep: k)
+            torch._dynamo.reset()
+            planned = remat.apply(model, plan, compile={"backend": "inductor"})
+            off[keep] = _gradient_agrees_with_its_loss(planned, loss, x)
+    assert off[True] < 1e-6 and off[False] > 0.1, off
+
+
 def test_fit_one_graph_measures_torchs_own_partition_where_the_exact_knapsack_does_not_fit() -> (
     None
 ):

@@ -61,6 +61,7 @@ from remat.execute.chain import (
     compile_options,
     describe_compiled,
     input_signature,
+    keeps_random_saved,
     partitioner_budget,
     partitioner_solver,
     replanning_state,
@@ -912,7 +913,17 @@ def _auto(
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
     grads = stage_grad_bytes(captured.stages)
-    step = _StepModel(model, batch, loss_fn, loop, method, fixed, grads, step_bytes)
+    step = _StepModel(
+        model,
+        batch,
+        loss_fn,
+        loop,
+        method,
+        fixed,
+        grads,
+        step_bytes,
+        keeps_random_saved=keeps_random_saved(options),
+    )
 
     refused: BudgetTooSmallError | None = None  # compiled: tried as one graph below its least
     try:
@@ -1037,6 +1048,15 @@ class _StepModel:
     """:func:`stage_grad_bytes`."""
     step_bytes: int
     """The optimizer step's own temporaries."""
+    keeps_random_saved: bool = False
+    """The one graph's compiler keeps the ops that draw random numbers saved at a partitioner
+    budget (:func:`remat.execute.chain.keeps_random_saved`: inductor), so the partitioner's
+    points are tried on a step with dropout too."""
+
+    def partitioner_trials(self, new: Captured) -> list[Plan]:
+        """:func:`_partitioner_trials` for ``new``: none where a stage draws random numbers and
+        the compiler would recompute them afresh (NOTE [ The partitioner's budget ])."""
+        return _partitioner_trials(new.chain, not self.keeps_random_saved and new.random_stages)
 
     def costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
         before = _Trained(self.fixed, self.grads, self.step_bytes, False)
@@ -1155,7 +1175,7 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
-            store_all=_store_all_trials(new.chain, new.random_stages),
+            store_all=[Plan.none(new.chain), *self.partitioner_trials(new)],
         )
 
     def per_stage_mix(
@@ -1291,8 +1311,7 @@ class _StepModel:
         a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        trials = _partitioner_trials(new.chain, new.random_stages)
-        for p in trials + _least_plans(new.chain, self.method):
+        for p in self.partitioner_trials(new) + _least_plans(new.chain, self.method):
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
@@ -1460,19 +1479,19 @@ def _trial(
     return None, over, step
 
 
-def _store_all_trials(chain: Chain | int, random_stages: Collection[int] = ()) -> list[Plan]:
+def _store_all_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
     partitioner budget, then at each of :data:`PARTITIONER_TRIALS` (:func:`_partitioner_trials`)."""
-    return [Plan.none(chain), *_partitioner_trials(chain, random_stages)]
+    return [Plan.none(chain), *_partitioner_trials(chain)]
 
 
-def _partitioner_trials(chain: Chain | int, random_stages: Collection[int] = ()) -> list[Plan]:
+def _partitioner_trials(chain: Chain | int, random: Any = False) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
     knapsack solved exactly and then (measured only where the exact one does not fit: the trials
     are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
-    budget ]); none where a stage draws random numbers (``random_stages``, numbers from 1:
-    dropout), whose gradients the partitioner below budget 1 gets wrong."""
-    if random_stages:
+    budget ]); none where ``random`` (the step draws random numbers the compiler's partitioner
+    would recompute afresh below budget 1: :meth:`_StepModel.partitioner_trials`)."""
+    if random:
         return []
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)

@@ -44,12 +44,14 @@ from typing import Any
 
 import torch
 import torch._functorch.config as _functorch_config
+import torch._inductor.config
+import torch._inductor.custom_graph_pass
 from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from remat.capture.chain import compile_stages, no_autocast_cache
+from remat.capture.chain import compile_stages, draws_random, no_autocast_cache
 from remat.capture.stages import (
     Stages,
     StageWatch,
@@ -635,6 +637,9 @@ class _Executor:
                 # FX graph cache keys on the partitioned graphs, so it stays on)
                 (_functorch_config, "enable_autograd_cache", False),
             )
+            if knob is not None and keeps_random_saved(compile_options):
+                pass_ = _SaveRandomOps(torch._inductor.config.joint_custom_pre_pass)
+                partitioner += ((torch._inductor.config, "joint_custom_pre_pass", pass_),)
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
                 *(() if knob is None else partitioner),
@@ -1040,8 +1045,14 @@ absent: torch's setting (1 by default)."""
 # its gradient) found torch.compile at budget 0 off by 3.6 relative under inductor's random
 # numbers, and at 0.5 and 0 under eager's (``fallback_random``); remat's checkpoints, whose
 # recomputation torch replays with the forward's random state, and budget 1 agreed to 1e-10.
-# So remat.auto tries no partitioner budget on such a step; a plan given one by hand
-# (:func:`with_partitioner_budget`) is run as given.
+# So under inductor (:func:`keeps_random_saved`) the executor compiles a one-graph plan with a
+# partitioner budget with a joint-graph pass (:class:`_SaveRandomOps`) that marks every op
+# drawing random numbers MUST_SAVE, which the knapsack leaves saved: the probe's budgets 0.5 and
+# 0.1 then agreed within 1e-10 under eager's random numbers too. Other backends have no such
+# hook, so there remat.auto tries no partitioner budget on a step that draws random numbers,
+# and a plan given one by hand (:func:`with_partitioner_budget`) is run as given. At budget 0
+# torch returns before its knapsack and recomputes everything, random ops too: remat.auto never
+# tries 0.
 PARTITIONER_SOLVERS: tuple[str, ...] = ("ilp", "dp")
 """The knapsack solvers (``torch._functorch.config.activation_memory_budget_solver``) a one-graph
 plan with a partitioner budget may compile with, its default first: torch's exact one (SciPy's
@@ -1110,6 +1121,38 @@ def with_partitioner_budget(
         if _known_solver(solver) != PARTITIONER_SOLVERS[0]:
             params[PARTITIONER_SOLVER] = solver
     return dataclasses.replace(plan, params=params)
+
+
+def keeps_random_saved(options: Mapping[str, Any] | None) -> bool:
+    """Whether a one graph compiled with ``options`` (torch.compile's keyword arguments) at a
+    partitioner budget keeps the ops that draw random numbers saved (:class:`_SaveRandomOps`,
+    NOTE [ The partitioner's budget ]): under inductor, torch.compile's default backend."""
+    return options is not None and options.get("backend", "inductor") == "inductor"
+
+
+class _SaveRandomOps(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """inductor's joint-graph pass (``joint_custom_pre_pass``, run before the partitioner) that
+    marks every op that draws random numbers (:func:`remat.capture.chain.draws_random`)
+    ``MUST_SAVE``: below budget 1 the partitioner's knapsack would otherwise recompute it in the
+    backward with fresh numbers (pytorch/pytorch#190758; NOTE [ The partitioner's budget ]).
+    ``then``: the pass set before, run after this one."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and draws_random(
+                target, node.args, node.kwargs
+            ):
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = None if self.then is None else self.then.uuid()
+        return ("remat: random ops saved", 1, then)
 
 
 EAGER_STAGES = "eager_stages"
