@@ -1053,10 +1053,11 @@ class _StepModel:
     budget (:func:`remat.execute.chain.keeps_random_saved`: inductor), so the partitioner's
     points are tried on a step with dropout too."""
 
-    def partitioner_trials(self, new: Captured) -> list[Plan]:
-        """:func:`_partitioner_trials` for ``new``: none where a stage draws random numbers and
-        the compiler would recompute them afresh (NOTE [ The partitioner's budget ])."""
-        return _partitioner_trials(new.chain, not self.keeps_random_saved and new.random_stages)
+    def redraws_random(self, new: Captured) -> bool:
+        """Whether a partitioner budget would recompute ``new``'s random numbers afresh (a stage
+        draws some and the compiler does not keep them saved): then no partitioner point is
+        tried (:func:`_partitioner_trials`, NOTE [ The partitioner's budget ])."""
+        return bool(new.random_stages) and not self.keeps_random_saved
 
     def costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
         before = _Trained(self.fixed, self.grads, self.step_bytes, False)
@@ -1175,7 +1176,7 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
-            store_all=[Plan.none(new.chain), *self.partitioner_trials(new)],
+            store_all=_store_all_trials(new.chain, self.redraws_random(new)),
         )
 
     def per_stage_mix(
@@ -1311,7 +1312,8 @@ class _StepModel:
         a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        for p in self.partitioner_trials(new) + _least_plans(new.chain, self.method):
+        trials = _partitioner_trials(new.chain, self.redraws_random(new))
+        for p in trials + _least_plans(new.chain, self.method):
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
@@ -1479,19 +1481,19 @@ def _trial(
     return None, over, step
 
 
-def _store_all_trials(chain: Chain | int) -> list[Plan]:
+def _store_all_trials(chain: Chain | int, redraws_random: bool = False) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
     partitioner budget, then at each of :data:`PARTITIONER_TRIALS` (:func:`_partitioner_trials`)."""
-    return [Plan.none(chain), *_partitioner_trials(chain)]
+    return [Plan.none(chain), *_partitioner_trials(chain, redraws_random)]
 
 
-def _partitioner_trials(chain: Chain | int, random: Any = False) -> list[Plan]:
+def _partitioner_trials(chain: Chain | int, redraws_random: bool = False) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
     knapsack solved exactly and then (measured only where the exact one does not fit: the trials
     are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
-    budget ]); none where ``random`` (the step draws random numbers the compiler's partitioner
-    would recompute afresh below budget 1: :meth:`_StepModel.partitioner_trials`)."""
-    if random:
+    budget ]); none where ``redraws_random`` (the partitioner would recompute the step's random
+    numbers afresh below budget 1: :meth:`_StepModel.redraws_random`)."""
+    if redraws_random:
         return []
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)

@@ -229,8 +229,7 @@ class StageCost:
     on a module as a plain attribute. They live all step, whatever the plan: counted with the
     chain's input, not in ``saved_bytes``."""
     random: bool = False
-    """The forward ran an ATen op tagged ``nondeterministic_seeded`` (it draws random numbers:
-    dropout, ``randn_like``)."""
+    """The forward drew random numbers (:func:`draws_random`: dropout, ``randn_like``)."""
 
 
 def capture_chain(
@@ -846,7 +845,7 @@ def draws_random(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> b
 
 class _MadeStorages(TorchDispatchMode):
     """The storages the ops run under it make (:func:`_keys`): ``keys``; ``random``: whether one
-    of them draws random numbers (tagged ``nondeterministic_seeded``)."""
+    of them draws random numbers (:func:`draws_random`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -958,8 +957,9 @@ def _external_saved(
 ) -> tuple[dict[int, int], bool]:
     """:attr:`StageCost.external` and :attr:`StageCost.random` of a compiled stage: the storages
     its forward saves that it did not make (a target ``loss_fn`` reads from its closure), and
-    whether it draws random numbers, found on one forward run eagerly (``torch.compiler.set_stance("force_eager")``: the op-level count of the storages
-    made is a TorchDispatchMode, which compiled kernels bypass). Which tensors from outside a
+    whether it draws random numbers, found on one forward run eagerly
+    (``torch.compiler.set_stance("force_eager")``: the op-level count of the storages made is a
+    TorchDispatchMode, which compiled kernels bypass). Which tensors from outside a
     stage reads is its Python code's, the same compiled; without it, a classifier's target
     (8 bytes a sample) was counted as saved until the last stage's backward, not for the
     whole step as the step measures it. ``saved`` is the dict ``pack`` fills, emptied after."""
