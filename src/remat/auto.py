@@ -61,7 +61,6 @@ from remat.execute.chain import (
     compile_options,
     describe_compiled,
     input_signature,
-    keeps_random_saved,
     partitioner_budget,
     partitioner_solver,
     replanning_state,
@@ -922,7 +921,6 @@ def _auto(
         fixed,
         grads,
         step_bytes,
-        keeps_random_saved=keeps_random_saved(options),
     )
 
     refused: BudgetTooSmallError | None = None  # compiled: tried as one graph below its least
@@ -1048,16 +1046,6 @@ class _StepModel:
     """:func:`stage_grad_bytes`."""
     step_bytes: int
     """The optimizer step's own temporaries."""
-    keeps_random_saved: bool = False
-    """The one graph's compiler keeps the ops that draw random numbers saved at a partitioner
-    budget (:func:`remat.execute.chain.keeps_random_saved`: inductor), so the partitioner's
-    points are tried on a step with dropout too."""
-
-    def redraws_random(self, new: Captured) -> bool:
-        """Whether a partitioner budget would recompute ``new``'s random numbers afresh (a stage
-        draws some and the compiler does not keep them saved): then no partitioner point is
-        tried (:func:`_partitioner_trials`, NOTE [ The partitioner's budget ])."""
-        return bool(new.random_stages) and not self.keeps_random_saved
 
     def costs(self, new: Captured, now: _Trained | None = None) -> StepCosts:
         before = _Trained(self.fixed, self.grads, self.step_bytes, False)
@@ -1176,7 +1164,7 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
-            store_all=_store_all_trials(new.chain, self.redraws_random(new)),
+            store_all=_store_all_trials(new.chain),
         )
 
     def per_stage_mix(
@@ -1312,7 +1300,7 @@ class _StepModel:
         a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        trials = _partitioner_trials(new.chain, self.redraws_random(new))
+        trials = _partitioner_trials(new.chain)
         for p in trials + _least_plans(new.chain, self.method):
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
@@ -1481,20 +1469,17 @@ def _trial(
     return None, over, step
 
 
-def _store_all_trials(chain: Chain | int, redraws_random: bool = False) -> list[Plan]:
+def _store_all_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
     partitioner budget, then at each of :data:`PARTITIONER_TRIALS` (:func:`_partitioner_trials`)."""
-    return [Plan.none(chain), *_partitioner_trials(chain, redraws_random)]
+    return [Plan.none(chain), *_partitioner_trials(chain)]
 
 
-def _partitioner_trials(chain: Chain | int, redraws_random: bool = False) -> list[Plan]:
+def _partitioner_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
     knapsack solved exactly and then (measured only where the exact one does not fit: the trials
     are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
-    budget ]); none where ``redraws_random`` (the partitioner would recompute the step's random
-    numbers afresh below budget 1: :meth:`_StepModel.redraws_random`)."""
-    if redraws_random:
-        return []
+    budget ]; the ops that draw random numbers stay saved)."""
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)
         for k in PARTITIONER_TRIALS

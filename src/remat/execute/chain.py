@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 import torch._functorch.config as _functorch_config
-import torch._inductor.config
-import torch._inductor.custom_graph_pass
 from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -637,9 +635,9 @@ class _Executor:
                 # FX graph cache keys on the partitioned graphs, so it stays on)
                 (_functorch_config, "enable_autograd_cache", False),
             )
-            if knob is not None and keeps_random_saved(compile_options):
-                pass_ = _SaveRandomOps(torch._inductor.config.joint_custom_pre_pass)
-                partitioner += ((torch._inductor.config, "joint_custom_pre_pass", pass_),)
+            if knob is not None:
+                pass_ = _SaveRandomOps(knob, _functorch_config.joint_custom_pass)
+                partitioner += ((_functorch_config, "joint_custom_pass", pass_),)
             self._configs = (
                 (torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True),
                 *(() if knob is None else partitioner),
@@ -847,12 +845,17 @@ class _Executor:
         # checkpoint and dynamo runs the whole executor loop eagerly.
         # NOTE [ The partitioner's budget ]: set on every call, not only the first, so that
         # a recompilation dynamo makes later partitions at the same budget
-        with _configs_set(self._configs):
-            if self._compiled_once:
-                return self._compiled_call(args, kwargs)
-            before = _graph_breaks()
-            with _no_context_fn_advice():
-                out = self._compiled_call(args, kwargs)
+        try:
+            with _configs_set(self._configs):
+                if self._compiled_once:
+                    return self._compiled_call(args, kwargs)
+                before = _graph_breaks()
+                with _no_context_fn_advice():
+                    out = self._compiled_call(args, kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as failed:
+            if isinstance(failed.inner_exception, PlanError):  # (_SaveRandomOps)
+                raise failed.inner_exception from None
+            raise
         self._compiled_once = True
         breaks = _new_breaks(before) if self._compiled_ends is None else self._middle_breaks
         if breaks:
@@ -1037,7 +1040,7 @@ absent: torch's setting (1 by default)."""
 # (DenseNet-121 at 0.1: 512 B more, so it missed torch.compile@0.1's peak and remat ran a slower
 # plan of its own there, 1.10 of its time): where it does not fit, remat.auto measures the DP's,
 # torch.compile's own point, next.
-# Not where the step draws random numbers (dropout; remat.capture.chain's Captured.random_stages):
+# Where the step draws random numbers (dropout; remat.capture.chain's Captured.random_stages),
 # below budget 1 the partitioner may recompute a random op in the backward, where it draws
 # fresh numbers, so the backward applies another dropout mask than the forward did and the
 # gradients are silently wrong (pytorch/pytorch#190758, open in torch 2.14.1). A probe (an MLP
@@ -1045,14 +1048,14 @@ absent: torch's setting (1 by default)."""
 # its gradient) found torch.compile at budget 0 off by 3.6 relative under inductor's random
 # numbers, and at 0.5 and 0 under eager's (``fallback_random``); remat's checkpoints, whose
 # recomputation torch replays with the forward's random state, and budget 1 agreed to 1e-10.
-# So under inductor (:func:`keeps_random_saved`) the executor compiles a one-graph plan with a
-# partitioner budget with a joint-graph pass (:class:`_SaveRandomOps`) that marks every op
-# drawing random numbers MUST_SAVE, which the knapsack leaves saved: the probe's budgets 0.5 and
-# 0.1 then agreed within 1e-10 under eager's random numbers too. Other backends have no such
-# hook, so there remat.auto tries no partitioner budget on a step that draws random numbers,
-# and a plan given one by hand (:func:`with_partitioner_budget`) is run as given. At budget 0
-# torch returns before its knapsack and recomputes everything, random ops too: remat.auto never
-# tries 0.
+# So the executor compiles a one-graph plan with a partitioner budget with a joint-graph pass
+# (:class:`_SaveRandomOps`, AOTAutograd's ``joint_custom_pass``, so under every backend that
+# partitions: inductor, aot_eager, ...) that marks every op drawing random numbers MUST_SAVE,
+# which the knapsack leaves saved: the probe's budgets 0.5 and 0.1 then agreed within 1e-9
+# under aot_eager and under inductor with either random numbers (inductor's own pass,
+# ``joint_custom_pre_pass``, runs under inductor only). At budget 0 torch returns before its
+# knapsack and recomputes everything, random ops too: there the pass raises a PlanError (remat.auto
+# never tries 0).
 PARTITIONER_SOLVERS: tuple[str, ...] = ("ilp", "dp")
 """The knapsack solvers (``torch._functorch.config.activation_memory_budget_solver``) a one-graph
 plan with a partitioner budget may compile with, its default first: torch's exact one (SciPy's
@@ -1105,9 +1108,10 @@ def with_partitioner_budget(
     """``plan`` to be compiled as one graph with inductor's partitioner at
     ``activation_memory_budget=budget`` (None: torch's setting), its knapsack solved by
     ``solver`` (:data:`PARTITIONER_SOLVERS`); NOTE [ The partitioner's budget ].
-    :class:`PlanError` outside 0..1 or for another solver. Not for a model that draws random
-    numbers (dropout): below 1 torch's partitioner may recompute them with fresh ones, and the
-    gradients are wrong (pytorch/pytorch#190758); :func:`remat.auto` never gives it one."""
+    :class:`PlanError` outside 0..1 or for another solver. The ops that draw random numbers
+    (dropout) stay saved (:class:`_SaveRandomOps`: torch's partitioner would recompute them with
+    fresh ones, pytorch/pytorch#190758); at budget 0, where torch recomputes every op, the step
+    raises a :class:`PlanError` on a model that draws random numbers."""
     params = {
         k: v for k, v in plan.params.items() if k not in (PARTITIONER_BUDGET, PARTITIONER_SOLVER)
     }
@@ -1123,36 +1127,34 @@ def with_partitioner_budget(
     return dataclasses.replace(plan, params=params)
 
 
-def keeps_random_saved(options: Mapping[str, Any] | None) -> bool:
-    """Whether a one graph compiled with ``options`` (torch.compile's keyword arguments) at a
-    partitioner budget keeps the ops that draw random numbers saved (:class:`_SaveRandomOps`,
-    NOTE [ The partitioner's budget ]): under inductor, torch.compile's default backend."""
-    return options is not None and options.get("backend", "inductor") == "inductor"
-
-
-class _SaveRandomOps(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """inductor's joint-graph pass (``joint_custom_pre_pass``, run before the partitioner) that
-    marks every op that draws random numbers (:func:`remat.capture.chain.draws_random`)
-    ``MUST_SAVE``: below budget 1 the partitioner's knapsack would otherwise recompute it in the
-    backward with fresh numbers (pytorch/pytorch#190758; NOTE [ The partitioner's budget ]).
+class _SaveRandomOps:
+    """AOTAutograd's joint-graph pass (``torch._functorch.config.joint_custom_pass``, run before
+    the partitioner, whatever the backend) that marks every op that draws random numbers
+    (:func:`remat.capture.chain.draws_random`) ``MUST_SAVE``: below budget 1 the partitioner's
+    knapsack would otherwise recompute it in the backward with fresh numbers
+    (pytorch/pytorch#190758; NOTE [ The partitioner's budget ]). At ``budget`` 0 torch skips its
+    knapsack and recomputes every op: :class:`PlanError` where one draws random numbers.
     ``then``: the pass set before, run after this one."""
 
-    def __init__(self, then: Any = None) -> None:
+    def __init__(self, budget: float, then: Any = None) -> None:
+        self.budget = budget
         self.then = then
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in graph.nodes:
+    def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        for node in graph.graph.nodes:
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and draws_random(
                 target, node.args, node.kwargs
             ):
+                if self.budget == 0:
+                    raise PlanError(
+                        f"partitioner budget 0 recomputes every op in the backward, and "
+                        f"{target} draws its random numbers afresh there (pytorch/pytorch#190758):"
+                        " the gradients would be wrong. Give a budget above 0 (remat keeps the "
+                        "ops that draw random numbers saved there), or a plan of remat's own"
+                    )
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self) -> Any:
-        then = None if self.then is None else self.then.uuid()
-        return ("remat: random ops saved", 1, then)
+        return graph if self.then is None else self.then(graph, joint_inputs)
 
 
 EAGER_STAGES = "eager_stages"
