@@ -1,10 +1,13 @@
-"""Shared test settings: hypothesis profiles, the `gpu` and `fresh_process` markers."""
+"""Shared test settings: hypothesis profiles, the `gpu` and `fresh_process` markers, the longest
+tests first."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -21,7 +24,15 @@ settings.register_profile("thorough", max_examples=500, **_UNTIMED)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+_DURATIONS = Path(__file__).parent / "data" / "durations.json"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest tests first (seconds from an earlier run's --durations), the rest in their
+    # order after them: pytest-xdist hands tests out in this order, so with ``-n 2`` a two-minute
+    # test no longer starts near the end while the other worker idles.
+    seconds = json.loads(_DURATIONS.read_text())["seconds"]
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
     try:
         import torch
 
