@@ -29,8 +29,8 @@ _DURATIONS = Path(__file__).parent / "data" / "durations.json"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The longest tests first (seconds from an earlier run's --durations), the rest in their
-    # order after them: pytest-xdist hands tests out in this order, so with ``-n 2`` a two-minute
-    # test no longer starts near the end while the other worker idles.
+    # order after them: under pytest-xdist's worksteal (scripts/test) a worker that runs dry
+    # takes the end of the other's queue, so a two-minute test no longer starts near the end.
     seconds = json.loads(_DURATIONS.read_text())["seconds"]
     items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
     try:

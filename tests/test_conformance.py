@@ -167,10 +167,11 @@ def test_auto_reaches_what_checkpointing_every_block_reaches(name: str) -> None:
 
 
 # Compiled (``remat.auto(..., compile=)``), the loss_fn loop: aot_eager_decomp_partition
-# partitions as inductor does without generating code (tests/test_compile.py). Dropout is off in
-# compiled cases (conformance.build): below a budget of 1 the partitioner draws other masks than
-# eager, as torch.compile does alone (MobileNetV3's gradients moved by 0.033). MobileNetV3: batch
-# norm and dropout; LoRA-Llama: a frozen prefix (NOTE [ A frozen prefix in the planners ]);
+# partitions as inductor does without generating code (tests/test_compile.py). Dropout stays on
+# in compiled cases: below a budget of 1 torch's partitioner would draw other masks than eager's
+# (pytorch/pytorch#190758; MobileNetV3's gradients moved by 0.033 under torch.compile@0.5 alone),
+# and remat keeps them saved (remat.execute.chain._SaveRandomOps). MobileNetV3: batch norm and
+# dropout (0.2, in the classifier); LoRA-Llama: a frozen prefix (NOTE [ A frozen prefix in the planners ]);
 # T5: no chain, refused with what to do. The full matrix: benchmarks/conformance.py --compile
 COMPILED = {"tv-mobilenet_v3_small": "pass", "peft-lora-llama": "pass", "hf-t5": "refused"}
 

@@ -14,7 +14,7 @@ one entry through :func:`remat.auto` at one total budget, with one of three loop
 
 The budget lies between the least total peak ``auto`` can plan for (the minimum its
 ``BudgetTooSmallError`` names) and the eager step's measured peak. A case passes when the
-planned model's gradients equal eager's (same weights, dropout off, ``torch.allclose``), its
+planned model's gradients equal eager's (same weights and random numbers, ``torch.allclose``), its
 buffers (batch-norm running statistics) are updated as eager updates them, and its measured
 whole-step peak (:func:`remat.measure.events.step_peak_bytes`, allocator events, SGD with momentum)
 is within the budget. Each record names the path ``auto`` took (a chain of N stages or a graph
@@ -29,6 +29,7 @@ around each block the entry names): remat must reach as low.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -656,10 +657,10 @@ MODELS: dict[str, ModelEntry] = {
 
 
 def build(name: str, dropout: bool = True) -> Built:
-    """``MODELS[name]`` built afresh; ``dropout=False`` sets every dropout module's ``p`` to 0
-    (compiled cases: torch.compile's partitioner below a budget of 1 draws other dropout masks
-    than eager, its own way: MobileNetV3's gradients moved by 0.033 under
-    ``torch.compile``@0.5 alone)."""
+    """``MODELS[name]`` built afresh; ``dropout=False`` sets every dropout module's ``p`` to 0.
+    Compiled cases keep dropout on (:func:`eager_random`): remat keeps the partitioner from
+    drawing fresh masks (pytorch/pytorch#190758; torch.compile@0.5 alone moved MobileNetV3's
+    gradients by 0.033)."""
     built = MODELS[name].make()
     if not dropout:
         for m in built.model.modules():
@@ -801,12 +802,25 @@ def _path(summary: Any) -> str:
     return f"graph of {len(summary.chain.nodes)} nodes"
 
 
+def eager_random(compile: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    """Where a case runs compiled (``compile``: torch.compile's keyword arguments), inductor's
+    ``fallback_random``: compiled code draws eager's random numbers, so a compiled step with
+    dropout is compared with eager's gradients as an eager one is (aot_eager runs eager's ops
+    anyway)."""
+    if compile is None:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
+
+
 def _least(name: str, shape: str, compile: Mapping[str, Any] | None = None) -> int:
     """The least total peak ``auto`` plans for (the minimum its BudgetTooSmallError names)."""
 
-    loop = Loop(build(name, dropout=compile is None), shape)
+    loop = Loop(build(name), shape)
     try:
-        _auto(loop, 1, _optimizer(loop.built.model), compile=compile)
+        with eager_random(compile):
+            _auto(loop, 1, _optimizer(loop.built.model), compile=compile)
     except BudgetTooSmallError as err:
         return int(err.minimum_bytes)
     raise AssertionError("remat.auto accepted a budget of 1 byte")
@@ -846,14 +860,27 @@ def run_case(
     ``least + fraction * (eager - least)`` (or ``budget`` when given); returns its record.
     ``compile``: ``auto``'s (torch.compile's keyword arguments): the gradients are then
     compared at :data:`COMPILED_GRAD_TOL`, and a compiled least above the eager peak is no
-    broken promise (inductor's CNNs hold more than eager on the CPU)."""
+    broken promise (inductor's CNNs hold more than eager on the CPU); dropout stays on, with
+    eager's random numbers (:func:`eager_random`)."""
+    with eager_random(compile):
+        return _run_case(name, shape, fraction, budget, eager, least, timed, compile)
+
+
+def _run_case(
+    name: str,
+    shape: str,
+    fraction: float | None,
+    budget: int | None,
+    eager: int | None,
+    least: int | None,
+    timed: bool,
+    compile: Mapping[str, Any] | None,
+) -> Record:
     start = time.perf_counter()
     record = Record(name, shape, fraction)
     stage = "eager peak"
     try:
-        record.eager_peak_bytes = eager = (
-            eager if eager is not None else eager_peak(name, shape, dropout=compile is None)
-        )
+        record.eager_peak_bytes = eager = eager if eager is not None else eager_peak(name, shape)
         if budget is None:
             stage = "least peak (auto at a 1-byte budget)"
             record.least_bytes = least = (
@@ -867,7 +894,7 @@ def run_case(
                 )
         record.budget_bytes = budget
         stage = "gradients of the eager step"
-        built = build(name, dropout=compile is None)
+        built = build(name)
         loop = Loop(built, shape)
         params = list(built.model.parameters())
         buffers = list(loop.module.buffers())
@@ -910,7 +937,7 @@ def run_case(
                 f"(predicted {record.predicted_peak_bytes})"
             )
         if timed:
-            eager_built = build(name, dropout=compile is None)
+            eager_built = build(name)
             eager_loop = Loop(eager_built, shape)
             times = interleaved_times(
                 {
@@ -989,7 +1016,7 @@ def run_model(
         result["every_block_error"] = _error_text(err)
     for shape in loops:
         try:
-            eager = eager_peak(name, shape, dropout=compile is None)
+            eager = eager_peak(name, shape)
         except Exception as err:  # noqa: BLE001
             rec = Record(name, shape, None, status="error", error=f"[eager] {_error_text(err)}")
             result["records"].append(asdict(rec))
