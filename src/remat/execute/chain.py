@@ -1052,8 +1052,8 @@ absent: torch's setting (1 by default)."""
 # (:class:`_SaveRandomOps`, AOTAutograd's ``joint_custom_pass``, so under every backend that
 # partitions: inductor, aot_eager, ...) that marks every op drawing random numbers MUST_SAVE,
 # which the knapsack leaves saved: the probe's budgets 0.5 and 0.1 then agreed within 1e-9
-# under aot_eager and under inductor with either random numbers (inductor's own pass,
-# ``joint_custom_pre_pass``, runs under inductor only). At budget 0 torch returns before its
+# under aot_eager and under inductor with either random numbers (not inductor's
+# ``joint_custom_pre_pass``, which runs under inductor only). At budget 0 torch returns before its
 # knapsack and recomputes everything, random ops too: there the pass raises a PlanError (remat.auto
 # never tries 0).
 PARTITIONER_SOLVERS: tuple[str, ...] = ("ilp", "dp")
@@ -1140,8 +1140,8 @@ class _SaveRandomOps:
         self.budget = budget
         self.then = then
 
-    def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
-        for node in graph.graph.nodes:
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        for node in joint.graph.nodes:
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and draws_random(
                 target, node.args, node.kwargs
@@ -1154,7 +1154,7 @@ class _SaveRandomOps:
                         "ops that draw random numbers saved there), or a plan of remat's own"
                     )
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        return graph if self.then is None else self.then(graph, joint_inputs)
+        return joint if self.then is None else self.then(joint, joint_inputs)
 
 
 EAGER_STAGES = "eager_stages"
