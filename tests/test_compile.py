@@ -1625,6 +1625,41 @@ def test_more_stages_of_one_class_than_dynamos_recompile_limit_all_compile() -> 
         torch._dynamo.reset()
 
 
+def test_stages_of_torchs_own_classes_all_compile_past_the_limit_together() -> None:
+    # torch.compile runs a module whose forward is torch's own (nn.Linear, nn.Tanh, nn.Sequential)
+    # inside one wrapper function every such module shares (dynamo's wrap_inline): its graphs
+    # are cached on that one code object, not on each class's forward. The limit counted each
+    # class apart (5 Linear, 5 Tanh: at most 5), so past 8 graphs the rest of the stages ran
+    # eagerly (VGG-11: 4 of its 13 stage graphs)
+    from remat.capture.chain import capture
+
+    widths = [8 * (i + 1) for i in range(6)]
+    layers = [(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:], strict=False)]
+    model = nn.Sequential(*[m for pair in layers for m in pair])
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        capture(model, torch.randn(4, 8), compile={"backend": "aot_eager"})
+    assert counters["stats"]["unique_graphs"] == len(model) > 8  # (torch's limit)
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+
+
+def test_compiled_stages_stay_compiled_when_the_loop_turns_autocast_on() -> None:
+    # dynamo guards on autocast's state: each stage compiles again under it. The limit counted
+    # one graph per stage, so under autocast the stages past it ran eagerly
+    widths = [8 * (i + 1) for i in range(6)]
+    layers = [(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:], strict=False)]
+    model = nn.Sequential(*[m for pair in layers for m in pair])
+    x = torch.randn(4, 8)
+    planned = remat.apply(
+        model, remat.Plan.from_checkpoints(len(model), [3, 6]), compile={"backend": "aot_eager"}
+    )
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        planned(x).sum().backward()
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
+                planned(x).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 3 * len(model) > 8
+
+
 def test_stages_of_one_class_stay_compiled_when_captured_again_for_another_shape() -> None:
     # a re-plan captures the stages again for the new shape: 6 stages of one class at two
     # batch sizes are 12 graphs of one code object, past recompile_limit (8). The limit counted

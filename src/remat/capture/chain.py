@@ -376,20 +376,19 @@ def compile_stages(
     backward graph, its compiled forward alone saved 4.5 MB (docs/results/compile/README.md).
     Stages with the same code (a model's blocks) share one compilation."""
     opts = {"dynamic": False, **options}
-    # stages of one class share the forward's code, and dynamo caches its graphs per code
-    # object: one per stage and shape, at most ``recompile_limit`` (8), then the rest ran
-    # eagerly (DenseNet-121's dense-layer groups: 15 input widths; RegNet's 6 block stages
-    # re-planned for a second batch shape: 12). The limit is raised to the most stages
-    # compiled on one code object in this process, every re-plan's and executor's counted.
+    # dynamo caches its graphs per code object: one per stage and shape, at most
+    # ``recompile_limit`` (8), then the rest ran eagerly (DenseNet-121's dense-layer groups: 15
+    # input widths; RegNet's 6 block stages re-planned for a second batch shape: 12; VGG-11's
+    # 14 stages of torch.nn classes, 13 graphs on one code: :func:`_frame_code`), and each
+    # stage compiles again under autocast (dynamo guards on its state). The limit is raised to
+    # the most stages compiled on one code object in this process, every re-plan's and
+    # executor's counted, times :data:`_STAGE_VARIANTS`.
     compiled = [i not in eager for i in range(1, split.n + 1)]
-    codes = [
-        getattr(type(m).forward, "__code__", None)
-        for m, c in zip(split.modules, compiled, strict=True)
-        if c
-    ]
+    codes = [_frame_code(m) for m, c in zip(split.modules, compiled, strict=True) if c]
     _COMPILED_STAGES.update(code for code in codes if code is not None)
     most = max((_COMPILED_STAGES[code] for code in codes if code is not None), default=0)
     config = torch._dynamo.config
+    most *= _STAGE_VARIANTS
     config.recompile_limit = max(config.recompile_limit, most)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, most)
     return tuple(
@@ -398,9 +397,45 @@ def compile_stages(
     )
 
 
+_STAGE_VARIANTS = 4
+"""Graphs one compiled stage may need for one input shape: one per autocast state the step runs
+in (off, bfloat16, float16: dynamo guards on it) and one more where the batch requires grad
+(the first stage's input)."""
 _COMPILED_STAGES: Counter[Any] = Counter()
-"""Stage modules :func:`compile_stages` compiled in this process, per forward code object (an
-upper bound on dynamo's graphs for that code: each is compiled for one shape)."""
+"""Stage modules :func:`compile_stages` compiled in this process, per code object dynamo caches
+their graphs on (:func:`_frame_code`; an upper bound on dynamo's graphs for that code: each is
+compiled for one shape)."""
+
+
+def _frame_code(module: nn.Module) -> Any:
+    """The code object dynamo keeps ``torch.compile(module)``'s graphs on: its class's
+    ``forward``; but a ``forward`` of torch's own (``nn.Linear``, ``nn.Sequential`` and their
+    subclasses), which dynamo does not start a frame in, runs inside one wrapper function that
+    every such module compiled in the process shares (``torch._dynamo.external_utils.
+    wrap_inline``), so all of them count against that one code's limit."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return None
+    if torch._dynamo.config.wrap_top_frame or _torch_skips(module):
+        return _WRAPPED_FRAME
+    return code
+
+
+_WRAPPED_FRAME = "torch.nn forward run inside dynamo's wrap_inline"
+""":func:`_frame_code`'s one key for the modules whose frames share ``wrap_inline``'s code."""
+
+
+def _torch_skips(module: nn.Module) -> bool:
+    """Whether dynamo does not start a frame in ``module.forward`` (its trace rules skip it: a
+    ``forward`` defined in torch), so that ``torch.compile(module)`` wraps it (torch 2.14:
+    ``OptimizedModule._forward_has_skip_rule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    rule = getattr(OptimizedModule, "_forward_has_skip_rule", None)
+    if rule is None:  # another torch: a forward of torch's own, by where it is defined
+        return type(module).forward.__module__.startswith("torch.")
+    return bool(rule(module))
 
 
 # ---------------------------------------------------------------------- implementation
