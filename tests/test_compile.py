@@ -294,6 +294,34 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph:
         torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("one_graph", [False, True])
+def test_torch_compile_around_a_compiled_plan_runs_remats_graphs(one_graph: bool) -> None:
+    # a user who also wraps the planned model in torch.compile: dynamo traced into remat's own
+    # compiled step and crashed inside dynamo (SpeculationLogDivergence a graph per stage,
+    # "Attempt to trace forbidden callable set_stance" one graph); remat's graphs run, the
+    # outer graph breaks around them
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            for _ in range(4)
+        ]
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8, 8)
+    plan = remat.Plan.from_chain_segments((ChainSegment(1, 3, True), ChainSegment(4, 4)))
+    planned = remat.apply(model, plan, compile=PARTITIONER, one_graph=one_graph)
+    outer = torch.compile(planned, **PARTITIONER)
+    for _ in range(2):
+        outer(x).sum().backward()
+        reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert planned._executor.compiled_step is not None if one_graph else planned._executor.compiled
+
+
 class _BreaksTheGraph(nn.Module):
     """A convolution and batch norm whose forward breaks torch.compile's graph (as a model's
     Python side effects do: the blocks family's stage that runs the model's forward up to its

@@ -1339,6 +1339,13 @@ def _resolve_plan(plan: Plan, stages: Stages) -> Plan:
     return resolved
 
 
+@torch.compiler.disable
+def _outside_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module.forward(*args, **kwargs)``, run by Python where torch.compile is tracing the
+    caller (a graph break around it)."""
+    return module.forward(*args, **kwargs)
+
+
 class PlannedWrapper(nn.Module):
     """What the chain and graph planned modules (:class:`PlannedModule`,
     :class:`remat.execute.graph.GraphPlannedModule`) share: ``_plans``, what runs per input
@@ -1438,6 +1445,11 @@ class PlannedModule(PlannedWrapper):
 
     # -------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compile is not None and torch.compiler.is_compiling():
+            # torch.compile(planned) around a plan remat compiles itself: dynamo tracing into
+            # remat's compiled step crashed inside dynamo (SpeculationLogDivergence; "Attempt to
+            # trace forbidden callable set_stance"). remat's graphs run, outside the outer one
+            return _outside_dynamo(self, args, kwargs)
         if not torch.compiler.is_compiling():  # (dynamo guards on the modules it traced)
             self._follow_model()
         stages = self._stages
