@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import re
 import warnings
 from typing import Any
 
@@ -177,6 +178,19 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         summary.predicted_peak_bytes,
         summary.budget_bytes,
     )
+
+
+def test_auto_shows_each_graph_it_compiles_and_measures(capsys: pytest.CaptureFixture) -> None:
+    # the compiled trials take minutes on a real model under inductor: each is counted on a
+    # bar, and nothing is shown where the user says so (or, by default, off a terminal)
+    model, x = mlp(), torch.randn(256, 64)
+    remat.auto(model, x, budget="70%", compile=PARTITIONER, loop="loss-only", progress=True)
+    shown = capsys.readouterr().err
+    assert "measuring stages" in shown
+    counts = re.findall(r"remat\.auto: compiling plans: (\d+)graph", shown)
+    assert counts and int(counts[-1]) >= 2, shown[-500:]  # store-all, then at 0.5
+    remat.auto(copy.deepcopy(model), x, budget="70%", compile=PARTITIONER, loop="loss-only")
+    assert capsys.readouterr().err == ""  # (stderr is not a terminal here)
 
 
 @pytest.mark.parametrize("fraction", ["80%", "least"])

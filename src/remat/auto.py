@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -770,6 +771,7 @@ def auto(
     loop: str = "output-held",
     fake: bool = False,
     compile: bool | Mapping[str, Any] = False,
+    progress: bool | None = None,
 ) -> tuple[nn.Module, AutoSummary]:
     """Capture, plan and apply in one call; returns ``(planned_model, summary)``.
 
@@ -840,16 +842,22 @@ def auto(
     the CPU: torchvision's ResNet-10 at 8 x 64², 75.5 MB unplanned against 49.7 MB eager): a
     compiled refusal then also names the least without compile, and whether the budget meets
     it.
+
+    ``progress`` shows tqdm bars on stderr: the stages measured, and with ``compile`` each graph
+    compiled and measured (the first call, and a re-plan for new inputs: minutes on a real model
+    under inductor); ``None`` (default): when stderr is a terminal.
     """
+    show = sys.stderr.isatty() if progress is None else progress
+    args = (model, batch, loss_fn, budget, method, optimizer, stages, loop, fake)
     try:
-        return _auto(model, batch, loss_fn, budget, method, optimizer, stages, loop, fake, compile)
+        return _auto(*args, compile, show)
     except BudgetTooSmallError as err:
         if not compile:
             raise
         # compiled, the step may hold more than the eager one (inductor on the CPU: a
         # ResNet-10's unplanned step 75.5 MB against 49.7 MB eager): say what eager reaches
         try:
-            _auto(model, batch, loss_fn, 1, method, optimizer, stages, loop, fake, False)
+            _auto(model, batch, loss_fn, 1, method, optimizer, stages, loop, fake, False, show)
         except BudgetTooSmallError as eager:
             if eager.minimum_bytes < err.minimum_bytes:
                 meets = (
@@ -877,6 +885,7 @@ def _auto(
     loop: str,
     fake: bool,
     compile: bool | Mapping[str, Any],
+    progress: bool = False,
 ) -> tuple[nn.Module, AutoSummary]:
     """:func:`auto`'s body."""
 
@@ -893,7 +902,13 @@ def _auto(
             model,
             fake,
             lambda o: capture(
-                model, batch, loss_fn=loss_fn, stages=stages, compile=compiled_costs, **o
+                model,
+                batch,
+                loss_fn=loss_fn,
+                stages=stages,
+                compile=compiled_costs,
+                progress=progress,
+                **o,
             ),
         )
     except UnsupportedModelError as err:
@@ -982,7 +997,7 @@ def _auto(
             trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
             return _one_graph_peak(model, trial, call_loss, (args, kwargs), new.external_bytes)
 
-        with _for_new_inputs(args, kwargs, now.live):
+        with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
             try:
                 plan, total_now = step.plan(new, spec, now)
             except BudgetTooSmallError as err:
@@ -1013,10 +1028,11 @@ def _auto(
             loss = loss_fn or default_loss_fn
             return _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
 
-        if refused is not None:
-            fit = step.fit_below_least(captured, refused, None, measure_first)
-        else:
-            fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
+        with _trials_shown(progress, measure_first) as measure_first:
+            if refused is not None:
+                fit = step.fit_below_least(captured, refused, None, measure_first)
+            else:
+                fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
         ran = captured
         if not fit.one_graph:
             mixed = lambda e: captured_as(batch, loss_fn, e)  # noqa: E731
@@ -1559,6 +1575,24 @@ def _one_graph_peak(
         buffers.restore()
         for p, g in grads.items():
             p.grad = g
+
+
+@contextlib.contextmanager
+def _trials_shown(show: bool, measure: Callable[[Plan], int]) -> Iterator[Callable[[Plan], int]]:
+    """``measure`` counted on a tqdm bar (shown where ``show``): each call compiles and
+    measures one graph, the plan it runs named beside the bar."""
+    from tqdm.auto import tqdm
+
+    with tqdm(desc="remat.auto: compiling plans", unit="graph", disable=not show) as bar:
+
+        def shown(plan: Plan) -> int:
+            bar.set_postfix_str(describe_compiled(plan))
+            try:
+                return measure(plan)
+            finally:
+                bar.update()
+
+        yield shown
 
 
 def _first_capture(
