@@ -457,6 +457,43 @@ def test_autocast_bfloat16_around_the_step() -> None:
     assert _peak(planned, step, x) <= budget  # planned in float32, run in bfloat16
 
 
+@pytest.mark.parametrize("path", ["chain", "graph"])
+def test_autocast_turned_on_after_planning_is_planned_again_in_bfloat16(path: str) -> None:
+    # planned in float32, trained under autocast: the step keeps a bfloat16 copy of each weight
+    # it reads for the backward. Where the weights outweigh the activations (16 x 512, 8
+    # blocks) the float32 plan ran 17,366,024 B under a 16,875,528 B budget. Autocast on or
+    # off is now part of the step state: the call is planned again in bfloat16, or refused
+    # naming the minimum, which a budget then meets
+    x = torch.randn(16, 512)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _mlp(width=512) if path == "chain" else Skip(width=512)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().pow(2).mean()
+
+    planned, summary = _auto(build(), x, budget="100%")
+    assert summary.budget_bytes == summary.unplanned_peak_bytes
+    assert _peak(planned, lambda m: m(x).float().pow(2).mean(), x) <= summary.budget_bytes
+    with pytest.raises(BudgetTooSmallError, match="under autocast .cpu bfloat16") as refused:
+        step(planned).backward()
+    least = refused.value.minimum_bytes
+    assert least > summary.budget_bytes  # (the weight copies: no plan of float32's budget)
+    model, reference = build(), build()
+    planned, _ = _auto(model, x, budget=least)
+    step(reference).backward()
+    step(planned).backward()
+    _assert_same_grads(planned, reference)
+    planned.zero_grad(set_to_none=True)
+    measured = _peak(planned, step, x)
+    assert measured <= least, (measured, least)
+    plans = len(planned._plans.cache)
+    assert _peak(planned, lambda m: m(x).float().pow(2).mean(), x) <= least  # float32 again
+    assert len(planned._plans.cache) == plans == 2  # (each state's plan kept)
+
+
 def test_a_loss_fn_that_enters_autocast_is_planned_in_bfloat16() -> None:
     # before: the stages were measured outside the loss_fn's autocast, in float32 (GPT-2 tiny:
     # 920,576 saved bytes a block instead of 592,896), so budgets the step meets in bfloat16

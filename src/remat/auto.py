@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from remat.capture.chain import Captured, _model_arguments, capture
+from remat.capture.chain import Captured, _model_arguments, _model_call, autocast_now, capture
 from remat.capture.graph import GraphTrace, trace_graph
 from remat.capture.stages.base import grad_parameters
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
@@ -621,11 +621,19 @@ def _auto_graph(
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
 
+    as_called = _model_call(model, loss_fn or default_loss_fn, batch)[2]
+    called = _regions(as_called)
+
     def measure_loss() -> tuple[int, int]:
+        # (as _auto's)
+        user = unplanned
+        if autocast_now() != called:
+            again = trace_graph(model, batch, loss_fn=loss_fn, level="module", **options)
+            user = graph_step_peak(again.graph, Plan.none(), costs_of(again))
         arguments = _model_arguments(model, loss_fn, batch)
         proxy = trace_graph(model, arguments, call_loss, "module", **options)
         proxy_unplanned = graph_step_peak(proxy.graph, Plan.none(), costs_of(proxy))
-        return unplanned - proxy_unplanned, proxy.graph.input_bytes
+        return user - proxy_unplanned, proxy.graph.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
@@ -641,7 +649,8 @@ def _auto_graph(
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
-    planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
+    with as_called():  # (as in _auto's build)
+        planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
     none = simulate_graph(graph, Plan.none())
     summary = AutoSummary.of(
@@ -682,17 +691,19 @@ def _loss_margin(
     a cross-entropy on the logits keeps more (its log-softmax and the logits' gradient).
     ``measure()`` gives, at the planning batch, the unplanned step's peak with the user's loss
     minus that with ``call_loss`` (at least 0) and the inputs' bytes it was measured at; it is
-    called once, at the first re-plan, and scaled linearly with the inputs' bytes (a loss's
-    memory grows with the batch and the sequence). Counted as live all step (an input's
-    bytes): an over-estimate, never an under-estimate, at the shapes it was measured for."""
-    cache: list[tuple[int, int]] = []
+    called once per autocast state (:func:`~remat.capture.chain.autocast_now`), at the first
+    re-plan in it, and scaled linearly with the inputs' bytes (a loss's memory grows with the
+    batch and the sequence). Counted as live all step (an input's bytes): an over-estimate,
+    never an under-estimate, at the shapes it was measured for."""
+    cache: dict[Any, tuple[int, int]] = {}
 
     def margin(input_bytes: int) -> int:
         if loss_fn is None:  # the default loss is call_loss on the batch's arguments
             return 0
-        if not cache:
-            cache.append(measure())
-        extra, planning_bytes = cache[0]
+        regions = autocast_now()
+        if regions not in cache:
+            cache[regions] = measure()
+        extra, planning_bytes = cache[regions]
         if extra <= 0:
             return 0
         return -(-extra * input_bytes // max(1, planning_bytes))
@@ -749,13 +760,21 @@ def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[N
             if live
             else ""
         )
+        regions = autocast_now()
+        autocast = (
+            " under autocast ("
+            + ", ".join(f"{d} {str(t).removeprefix('torch.')}" for d, t in regions)
+            + ": 16-bit copies of the weights read are kept for the backward)"
+            if regions
+            else ""
+        )
         raise BudgetTooSmallError(
             err.budget_bytes,
             err.minimum_bytes,
             err.method,
-            f"re-planning the training step for the new inputs {shape}{held}: the plan depends"
-            " on the batch shape and on the gradients held; raise the budget to the minimum or"
-            " call the model on smaller inputs",
+            f"re-planning the training step for the new inputs {shape}{held}{autocast}: the plan "
+            "depends on the batch shape, on the gradients held and on autocast; raise the budget "
+            "to the minimum or call the model on smaller inputs",
             kind="whole-step",
         ) from err
 
@@ -960,7 +979,8 @@ def _auto(
             except BudgetTooSmallError as graph_err:
                 raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
     spec = _replan_budget(budget, total)
-    example = _model_arguments(model, loss_fn or default_loss_fn, batch)
+    call_args, call_kwargs, as_called = _model_call(model, loss_fn or default_loss_fn, batch)
+    example = (call_args, call_kwargs)
 
     def captured_as(inputs: Any, loss: Any, eager: Collection[int] | None = ()) -> Captured:
         # the costs of a step on ``inputs`` (eager: None, every stage eager; else, compiled,
@@ -975,9 +995,15 @@ def _auto(
             **capture_options,
         )
 
+    called = _regions(as_called)
+    signature = input_signature(*call_args, **call_kwargs)
+
     def measure_loss() -> tuple[int, int]:
+        # in the autocast regions of the training call re-planned: the user's loss holds other
+        # bytes in 16 bits (a ``.float()`` of bfloat16 logits is a copy, of float32 ones not)
+        user = captured if autocast_now() == called else captured_as(batch, loss_fn)
         proxy = captured_as(example, call_loss)
-        return step.unplanned_peak(captured) - step.unplanned_peak(proxy), proxy.chain.input_bytes
+        return step.unplanned_peak(user) - step.unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
@@ -989,13 +1015,21 @@ def _auto(
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             return dataclasses.replace(new, chain=chain)
 
-        base = captured_as((args, kwargs), call_loss)
-        new = with_margin(base)
+        # The planning batch's shapes in another step state (autocast on, a layer unfrozen,
+        # gradients accumulated): captured with the user's loss on that batch, exactly; other
+        # shapes with the model's arguments and call_loss, the user's loss's bytes held back
+        # (_loss_margin)
+        same = input_signature(*args, **kwargs) == signature
+        inputs, loss = (batch, loss_fn) if same else ((args, kwargs), call_loss)
+        base = captured_as(inputs, loss)
+        new = base if same else with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
 
         def measure(p: Plan) -> int:
             trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
-            return _one_graph_peak(model, trial, call_loss, (args, kwargs), new.external_bytes)
+            return _one_graph_peak(
+                model, trial, loss or default_loss_fn, inputs, new.external_bytes
+            )
 
         with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
             try:
@@ -1009,15 +1043,25 @@ def _auto(
         fit = step.fit_one_graph(new, plan, total_now, now, measure, base)
         if fit.one_graph:
             return fit.plan
-        mixed = lambda e: with_margin(captured_as((args, kwargs), call_loss, e))  # noqa: E731
+
+        def mixed(eager: Collection[int]) -> Captured:
+            again = captured_as(inputs, loss, eager)
+            return again if same else with_margin(again)
+
         return step.per_stage_mix(new, fit, total_now, now, mixed)[1].plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
     def build(plan: Plan) -> nn.Module:
-        return apply(
-            model, plan, stages=captured.stages, example=example, replan=replan, compile=compile
-        )
+        with as_called():  # (the step state it is planned for: autocast as the step runs it)
+            return apply(
+                model,
+                plan,
+                stages=captured.stages,
+                example=example,
+                replan=replan,
+                compile=compile,
+            )
 
     fit: _OneGraphFit | None = None
     if options is not None:
@@ -1593,6 +1637,13 @@ def _trials_shown(show: bool, measure: Callable[[Plan], int]) -> Iterator[Callab
                 bar.update()
 
         yield shown
+
+
+def _regions(as_called: Callable[[], contextlib.AbstractContextManager]) -> Any:
+    """The autocast regions (:func:`~remat.capture.chain.autocast_now`) the context
+    ``as_called`` sets."""
+    with as_called():
+        return autocast_now()
 
 
 def _first_capture(

@@ -484,21 +484,33 @@ def _model_call(
     return seen[0]
 
 
-def autocast_state() -> Callable[[], contextlib.AbstractContextManager]:
-    """The ``torch.autocast`` state in force now (CPU and CUDA), as a factory of a context that
-    re-enters it; a ``loss_fn`` that calls the model inside ``torch.autocast`` gets its stages
-    measured in 16 bits, as the step runs them. The weight-cast cache is off in it, as in the
-    planned forward (:func:`no_autocast_cache`)."""
-    states = [
+def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
+    """The ``torch.autocast`` regions in force now: ``(device type, dtype)`` for the CPU and
+    CUDA where enabled (empty: none)."""
+    return tuple(
         (device, torch.get_autocast_dtype(device))
         for device in ("cpu", "cuda")
         if torch.is_autocast_enabled(device)
-    ]
+    )
+
+
+def autocast_state() -> Callable[[], contextlib.AbstractContextManager]:
+    """The ``torch.autocast`` state in force now (CPU and CUDA), as a factory of a context that
+    sets it again, on where it is on and off where it is off (inside another region too); a
+    ``loss_fn`` that calls the model inside ``torch.autocast`` gets its stages measured in 16
+    bits, as the step runs them. The weight-cast cache is off in it, as in the planned forward
+    (:func:`no_autocast_cache`)."""
+    regions = dict(autocast_now())
 
     def enter() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
-        for device, dtype in states:
-            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
+        for device in ("cpu", "cuda"):
+            if device in regions:
+                stack.enter_context(
+                    torch.autocast(device, dtype=regions[device], cache_enabled=False)
+                )
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
         return stack
 
     return enter

@@ -49,7 +49,7 @@ from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from remat.capture.chain import compile_stages, draws_random, no_autocast_cache
+from remat.capture.chain import autocast_now, compile_stages, draws_random, no_autocast_cache
 from remat.capture.stages import (
     Stages,
     StageWatch,
@@ -188,11 +188,17 @@ def call_loss(model: nn.Module, call: tuple[tuple, dict]) -> torch.Tensor:
     return loss_from_output(model(*args, **kwargs))
 
 
-def step_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
+StepState = tuple[bool, tuple[bool, ...], tuple[tuple[str, torch.dtype], ...]]
+""":func:`step_state`: ``(gradients live, which parameters train, autocast regions)``."""
+
+
+def step_state(model: nn.Module) -> StepState:
     """What a training step's memory depends on beside its inputs: whether parameter
     gradients are live when the forward starts (gradient accumulation over microbatches, a
     loop without ``zero_grad(set_to_none=True)``: every gradient is held through the whole
-    step), and which parameters train (a parameter unfrozen after planning gets a gradient).
+    step), which parameters train (a parameter unfrozen after planning gets a gradient), and
+    the autocast regions the model is called in (:func:`remat.capture.chain.autocast_now`: a
+    step in bfloat16 saves other bytes, and keeps 16-bit copies of the weights it reads).
     """
     # A walk of the module tree's own dicts, not ``model.parameters()`` (which names every
     # module on the way): called on every training step, 3-4x faster (GPT-2 tiny: 21 against
@@ -212,24 +218,26 @@ def step_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
                     if trains_now and not live and p.grad is not None:
                         live = True
         todo.extend(module._modules.values())
-    return live, tuple(trains)
+    return live, tuple(trains), autocast_now()
 
 
 _REPLANNING_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_replanning_state")
 
 
-def replanning_state() -> tuple[bool, tuple[bool, ...]] | None:
+def replanning_state() -> StepState | None:
     """Inside a ``replan`` called by :class:`SignaturePlans`: the :func:`step_state` of the
     planned module being called (its own model's, also for a ``copy.deepcopy`` of it, whose
     ``replan`` still closes over the original model); None elsewhere."""
     return _REPLANNING_STATE.get(None)
 
 
-def planned_state(model: nn.Module) -> tuple[bool, tuple[bool, ...]]:
+def planned_state(model: nn.Module) -> StepState:
     """The :func:`step_state` a plan of :func:`remat.auto` is made for: no gradient live at
     the forward's start (``zero_grad(set_to_none=True)`` before the step), the parameters that
-    train now."""
-    return False, step_state(model)[1]
+    train now, in the autocast regions in force now (:func:`remat.auto` builds the planned
+    module in those its ``loss_fn`` called the model in)."""
+    _, trains, autocast = step_state(model)
+    return False, trains, autocast
 
 
 NOT_PICKLED = (
@@ -331,8 +339,9 @@ class SignaturePlans:
                     f"inputs {_describe_signature(self.signature)} but the model was called with "
                     f"{_describe_signature(sig)}"
                     if sig != self.signature
-                    else "another training state (which parameters train, or gradients already "
-                    "held at the forward's start: accumulation, no zero_grad(set_to_none=True))"
+                    else "another training state (which parameters train, gradients already "
+                    "held at the forward's start: accumulation, no zero_grad(set_to_none=True), "
+                    "or autocast on or off)"
                 )
                 raise SignatureMismatchError(
                     f"this plan was made for {what}; memory and time of a plan depend on the "

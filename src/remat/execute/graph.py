@@ -72,7 +72,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.capture.chain import _model_arguments
+from remat.capture.chain import _model_arguments, autocast_now
 from remat.capture.graph import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.core.errors import RematError
 from remat.core.graph import Graph
@@ -619,11 +619,7 @@ def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def _autocast_state() -> tuple[Any, ...] | None:
-    state = []
-    for device in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device):
-            state.append((device, torch.get_autocast_dtype(device)))
-    return tuple(state) if state else None
+    return autocast_now() or None
 
 
 @contextlib.contextmanager
