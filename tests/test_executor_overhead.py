@@ -234,8 +234,8 @@ def test_executor_checkpoints_what_a_hand_loop_does() -> None:
 def test_step_state_walks_every_parameter() -> None:
     """:func:`step_state`, read on every training step, walks the module tree's own dicts:
     it sees a module registered as None, a tied weight, a frozen parameter, a parameter
-    unfrozen later, a LoRA-like adapter added deep inside after planning, and a gradient
-    live at the forward's start."""
+    unfrozen later, a LoRA-like adapter added deep inside after planning, a gradient live at
+    the forward's start, and the autocast regions the call is made in."""
     from remat.execute.chain import step_state
 
     torch.manual_seed(0)
@@ -245,11 +245,13 @@ def test_step_state_walks_every_parameter() -> None:
     model.append(tied)
     model.register_module("unused", None)
     model[0].weight.requires_grad_(False)
-    live, trains = step_state(model)
-    assert not live
+    live, trains, autocast = step_state(model)
+    assert not live and autocast == ()
     every = [p.requires_grad for _, p in model.named_parameters(remove_duplicate=False)]
     assert sorted(trains) == sorted(every)  # the tied weight twice, as torch lists it so
-    assert step_state(model) == (live, trains)  # the same on every call
+    assert step_state(model) == (live, trains, autocast)  # the same on every call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert step_state(model)[2] == (("cpu", torch.bfloat16),)
     model[0].weight.requires_grad_(True)
     assert step_state(model)[1] != trains
     model[0].weight.requires_grad_(False)
