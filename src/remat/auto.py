@@ -1353,11 +1353,12 @@ class _StepModel:
         the stages' least was 6,631,674,904 B), so below the chain's least :func:`auto` measures
         as one graph the store-all plan at the partitioner budgets :data:`PARTITIONER_TRIALS`
         (NOTE [ The partitioner's budget ]) and the least-memory plans (:func:`_least_plans`,
-        at most :data:`ONE_GRAPH_TRIALS`), whatever the budget (the minimum named does not
-        depend on it), and runs the fastest (by the chain's times) whose whole step
-        (:meth:`whole`) fits. None fits: the
-        :class:`~remat.planners.BudgetTooSmallError` names the least of the chain's and theirs,
-        a budget it then accepts."""
+        at most :data:`ONE_GRAPH_TRIALS`), in turn, and runs the fastest (by the chain's times)
+        whose whole step (:meth:`whole`) fits: the first store-all trial that fits (storing all
+        is the chain's fastest plan: the trials after it are not measured), else the fastest
+        least plan that does. None fits: all were measured, whatever the budget (the minimum
+        named does not depend on it), and the :class:`~remat.planners.BudgetTooSmallError`
+        names the least of the chain's and theirs, a budget it then accepts."""
         total = refused.budget_bytes
         results = []
         trials = _partitioner_trials(new.chain)
@@ -1365,6 +1366,8 @@ class _StepModel:
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
+            if whole <= total and not _recomputes(p):
+                break  # (storing all is the chain's fastest plan: none after it runs)
         shown = "; ".join(f"{describe_compiled(p)}: {w:,} B" for p, w, _ in results)
         fitting = [r for r in results if r[1] <= total]
         if fitting:
