@@ -278,29 +278,19 @@ def test_compiled_peak_stays_under_each_byte_budget_as_the_budget_falls() -> Non
     assert measured[-1] < eager_compiled, (measured, eager_compiled)
 
 
-@pytest.mark.parametrize("one_graph", [False, True])
-def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph: bool) -> None:
+def conv_bn_blocks() -> tuple[nn.Sequential, nn.Sequential, Any]:
+    """``(model, its copy, a plan)``: four Conv-BatchNorm-ReLU blocks, the first three
+    checkpointed."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        *[
-            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-            for _ in range(4)
-        ]
-    )
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 4, 8, 8)
-    planned = remat.apply(
-        model,
-        remat.Plan.from_chain_segments((ChainSegment(1, 3, True), ChainSegment(4, 4))),
-        compile=PARTITIONER,
-        one_graph=one_graph,
-    )
-    planned(x).sum().backward()
-    if one_graph:
-        assert graphs_and_breaks() == (1, 0), dict(counters["stats"])
-    else:
-        assert_one_graph_per_stage_at_most(planned)
-    reference(x).sum().backward()
+    blocks = [
+        nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(4)
+    ]
+    model = nn.Sequential(*blocks)
+    plan = remat.Plan.from_chain_segments((ChainSegment(1, 3, True), ChainSegment(4, 4)))
+    return model, copy.deepcopy(model), plan
+
+
+def assert_eager_grads_and_statistics(model: nn.Module, reference: nn.Module) -> None:
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         # (a convolution's bias before batch norm has a zero gradient: noise of 1e-5 here)
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
@@ -309,30 +299,33 @@ def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph:
 
 
 @pytest.mark.parametrize("one_graph", [False, True])
+def test_compiled_plan_with_batchnorm_updates_running_statistics_once(one_graph: bool) -> None:
+    model, reference, plan = conv_bn_blocks()
+    x = torch.randn(2, 4, 8, 8)
+    planned = remat.apply(model, plan, compile=PARTITIONER, one_graph=one_graph)
+    planned(x).sum().backward()
+    if one_graph:
+        assert graphs_and_breaks() == (1, 0), dict(counters["stats"])
+    else:
+        assert_one_graph_per_stage_at_most(planned)
+    reference(x).sum().backward()
+    assert_eager_grads_and_statistics(model, reference)
+
+
+@pytest.mark.parametrize("one_graph", [False, True])
 def test_torch_compile_around_a_compiled_plan_runs_remats_graphs(one_graph: bool) -> None:
     # a user who also wraps the planned model in torch.compile: dynamo traced into remat's own
     # compiled step and crashed inside dynamo (SpeculationLogDivergence a graph per stage,
     # "Attempt to trace forbidden callable set_stance" one graph); remat's graphs run, the
     # outer graph breaks around them
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        *[
-            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-            for _ in range(4)
-        ]
-    )
-    reference = copy.deepcopy(model)
+    model, reference, plan = conv_bn_blocks()
     x = torch.randn(2, 4, 8, 8)
-    plan = remat.Plan.from_chain_segments((ChainSegment(1, 3, True), ChainSegment(4, 4)))
     planned = remat.apply(model, plan, compile=PARTITIONER, one_graph=one_graph)
     outer = torch.compile(planned, **PARTITIONER)
     for _ in range(2):
         outer(x).sum().backward()
         reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
-    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
-        torch.testing.assert_close(b, b_ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert_eager_grads_and_statistics(model, reference)
     assert planned._executor.compiled_step is not None if one_graph else planned._executor.compiled
 
 
