@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from remat.capture.chain import Captured, _model_arguments, _model_call, autocast_now, capture
+from remat.capture.chain import Captured, _model_call, autocast_now, capture
 from remat.capture.graph import GraphTrace, trace_graph
 from remat.capture.stages.base import grad_parameters
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
@@ -621,7 +621,7 @@ def _auto_graph(
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
 
-    as_called = _model_call(model, loss_fn or default_loss_fn, batch)[2]
+    call_args, call_kwargs, as_called = _model_call(model, loss_fn or default_loss_fn, batch)
     called = _regions(as_called)
 
     def measure_loss() -> tuple[int, int]:
@@ -630,14 +630,16 @@ def _auto_graph(
         if autocast_now() != called:
             again = trace_graph(model, batch, loss_fn=loss_fn, level="module", **options)
             user = graph_step_peak(again.graph, Plan.none(), costs_of(again))
-        arguments = _model_arguments(model, loss_fn, batch)
-        proxy = trace_graph(model, arguments, call_loss, "module", **options)
+        proxy = trace_graph(model, (call_args, call_kwargs), call_loss, "module", **options)
         proxy_unplanned = graph_step_peak(proxy.graph, Plan.none(), costs_of(proxy))
         return user - proxy_unplanned, proxy.graph.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
 
     def replan(*args: Any, **kwargs: Any) -> tuple[Plan, Any]:
+        # (always the call's arguments and call_loss: the graph executor runs a graph traced
+        # from the call it is given, and checks it; _auto's re-plan takes the user's loss where
+        # the shapes are the planning batch's)
         new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module", **options)
         held = margin(new.graph.input_bytes)
         if held:
@@ -669,6 +671,20 @@ def _auto_graph(
         criterion_bytes=costs_of(trace).criterion_peak_bytes,
     )
     return planned, summary
+
+
+def _replan_call(
+    args: tuple, kwargs: dict, signature: tuple, batch: Any, loss_fn: Any
+) -> tuple[Any, Any, bool]:
+    """``(inputs, loss_fn, same)`` :func:`auto`'s re-plan for the model call ``(args, kwargs)``
+    captures the step with (chain path). The planning batch's shapes (``signature``) in
+    another step state (autocast on, a layer unfrozen, gradients accumulated: ``same``): the
+    user's ``loss_fn`` on the planning batch, exactly. Other shapes: the call's arguments and
+    :func:`~remat.execute.chain.call_loss`, the user's loss's bytes held back
+    (:func:`_loss_margin`)."""
+    if input_signature(*args, **kwargs) == signature:
+        return batch, loss_fn, True
+    return (args, kwargs), call_loss, False
 
 
 def _replan_budget(budget: Any, total: int | None) -> int | float | None:
@@ -1015,12 +1031,7 @@ def _auto(
             chain = dataclasses.replace(new.chain, input_bytes=new.chain.input_bytes + held)
             return dataclasses.replace(new, chain=chain)
 
-        # The planning batch's shapes in another step state (autocast on, a layer unfrozen,
-        # gradients accumulated): captured with the user's loss on that batch, exactly; other
-        # shapes with the model's arguments and call_loss, the user's loss's bytes held back
-        # (_loss_margin)
-        same = input_signature(*args, **kwargs) == signature
-        inputs, loss = (batch, loss_fn) if same else ((args, kwargs), call_loss)
+        inputs, loss, same = _replan_call(args, kwargs, signature, batch, loss_fn)
         base = captured_as(inputs, loss)
         new = base if same else with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
