@@ -1813,7 +1813,7 @@ def test_a_compiled_refusal_names_the_eager_least_when_compile_holds_more(
     assert "without compile" not in str(eager.value)
 
 
-def test_a_lora_model_compiles_within_the_budget_and_at_the_named_minimum() -> None:
+def test_a_lora_model_compiles_at_the_named_minimum() -> None:
     # LoRA freezes the embeddings, so the chain's first stage has no backward
     # (Chain.frozen_prefix). The flat planner's own costs count its gradient: it refused the
     # least plan it returns without a budget, and auto(compile=) crashed planning at that
@@ -1827,25 +1827,26 @@ def test_a_lora_model_compiles_within_the_budget_and_at_the_named_minimum() -> N
     batch = lm_batch()
     with pytest.raises(BudgetTooSmallError) as refused:
         remat.auto(model, batch, budget=1, compile=PARTITIONER, loop="loss-only")
-    for budget in ("80%", refused.value.minimum_bytes):
-        planned, summary = remat.auto(
-            model, batch, budget=budget, compile=PARTITIONER, loop="loss-only"
-        )
-        lm_loss(planned, batch).backward()
-        lm_loss(reference, batch).backward()
-        trained = [
-            (p, q)
-            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
-            if p.grad is not None
-        ]
-        assert len(trained) == sum(p.requires_grad for p in model.parameters()) > 0
-        for p, q in trained:
-            torch.testing.assert_close(p.grad, q.grad, **TOL)
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        measured = step_peak_bytes(step_of(planned, lm_loss, batch), model, None, batch)
-        assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
-            budget,
-            measured,
-            summary.predicted_peak_bytes,
-        )
+    # (a budget above the least, compiled, on a LoRA model: the conformance case peft-lora-llama)
+    budget = refused.value.minimum_bytes
+    planned, summary = remat.auto(
+        model, batch, budget=budget, compile=PARTITIONER, loop="loss-only"
+    )
+    lm_loss(planned, batch).backward()
+    lm_loss(reference, batch).backward()
+    trained = [
+        (p, q)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        if p.grad is not None
+    ]
+    assert len(trained) == sum(p.requires_grad for p in model.parameters()) > 0
+    for p, q in trained:
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    measured = step_peak_bytes(step_of(planned, lm_loss, batch), model, None, batch)
+    assert measured <= summary.predicted_peak_bytes <= summary.budget_bytes, (
+        budget,
+        measured,
+        summary.predicted_peak_bytes,
+    )

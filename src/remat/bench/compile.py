@@ -96,7 +96,7 @@ def _options(name: str, quick: bool) -> dict[str, Any]:
     """Model sizes: small enough that the full CPU run (about 40 compilations) fits in
     minutes, real enough that activations dominate the step."""
     if quick:
-        return {"mlp-chain": {"batch_size": 512, "layers": 6, "width": 128}}.get(name, {})
+        return {"mlp-chain": {"batch_size": 512, "layers": 4, "width": 128}}.get(name, {})
     return {
         "mlp-chain": {"batch_size": 1024, "layers": 16, "width": 256},
         # two layers: an inductor compilation of the 4-layer zoo model took 7.5 min on the
