@@ -494,26 +494,28 @@ def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
     )
 
 
+def autocast_regions(
+    regions: tuple[tuple[str, torch.dtype], ...],
+) -> contextlib.AbstractContextManager:
+    """A context (entered by the call) in which exactly ``regions`` (:func:`autocast_now`'s
+    form) are in force: those on, the others off, inside another region too. The weight-cast
+    cache is off in it, as in the planned forward (:func:`no_autocast_cache`)."""
+    stack = contextlib.ExitStack()
+    on = dict(regions)
+    for device in ("cpu", "cuda"):
+        if device in on:
+            stack.enter_context(torch.autocast(device, dtype=on[device], cache_enabled=False))
+        elif torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
 def autocast_state() -> Callable[[], contextlib.AbstractContextManager]:
     """The ``torch.autocast`` state in force now (CPU and CUDA), as a factory of a context that
-    sets it again, on where it is on and off where it is off (inside another region too); a
-    ``loss_fn`` that calls the model inside ``torch.autocast`` gets its stages measured in 16
-    bits, as the step runs them. The weight-cast cache is off in it, as in the planned forward
-    (:func:`no_autocast_cache`)."""
-    regions = dict(autocast_now())
-
-    def enter() -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        for device in ("cpu", "cuda"):
-            if device in regions:
-                stack.enter_context(
-                    torch.autocast(device, dtype=regions[device], cache_enabled=False)
-                )
-            elif torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        return stack
-
-    return enter
+    sets it again (:func:`autocast_regions`); a ``loss_fn`` that calls the model inside
+    ``torch.autocast`` gets its stages measured in 16 bits, as the step runs them."""
+    regions = autocast_now()
+    return lambda: autocast_regions(regions)
 
 
 @contextlib.contextmanager

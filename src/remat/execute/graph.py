@@ -60,9 +60,8 @@ Known limitations:
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.capture.chain import _model_arguments, autocast_now
+from remat.capture.chain import _model_arguments, autocast_now, autocast_regions
 from remat.capture.graph import GraphTrace, in_transform, is_tensor_call, trace_levels
 from remat.core.errors import RematError
 from remat.core.graph import Graph
@@ -526,7 +525,7 @@ class _Frame:
                     for device, state in zip(devices, r.rng[1], strict=False):
                         torch.cuda.set_rng_state(state, device)
                 hooks = self._collect(r.k, counts, originals) if r.k in self.own else _DISCARD
-                with hooks, _autocast(r.autocast):
+                with hooks, autocast_regions(r.autocast or ()):
                     out = r.func(*args, **kwargs)
                 del args, kwargs
                 for j, t in enumerate(_tensors(out)):
@@ -616,22 +615,6 @@ def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
     return torch.get_rng_state(), cuda
-
-
-def _autocast_state() -> tuple[Any, ...] | None:
-    return autocast_now() or None
-
-
-@contextlib.contextmanager
-def _autocast(state: tuple[Any, ...] | None) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        enabled = dict(state or ())
-        for device in ("cpu", "cuda"):
-            if device in enabled:
-                stack.enter_context(torch.autocast(device, dtype=enabled[device]))
-            elif torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 class _Run(TorchFunctionMode):
@@ -750,7 +733,7 @@ class _Run(TorchFunctionMode):
                 frozenset(copies),
                 frozenset(buffers),
                 rng,
-                _autocast_state(),
+                autocast_now() or None,
             )
         )
         self.k += 1
