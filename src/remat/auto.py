@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from remat.capture.chain import Captured, _model_call, autocast_now, capture
+from remat.capture.chain import Captured, _model_call, autocast_now, autocast_regions, capture
 from remat.capture.graph import GraphTrace, trace_graph
 from remat.capture.stages.base import grad_parameters
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
@@ -621,8 +621,7 @@ def _auto_graph(
     method, chosen, total, peak, unplanned = plan_traced(trace, budget)
     spec = _replan_budget(budget, total)
 
-    call_args, call_kwargs, as_called = _model_call(model, loss_fn or default_loss_fn, batch)
-    called = _regions(as_called)
+    call_args, call_kwargs, called = _model_call(model, loss_fn or default_loss_fn, batch)
 
     def measure_loss() -> tuple[int, int]:
         # (as _auto's)
@@ -651,7 +650,7 @@ def _auto_graph(
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
-    with as_called():  # (as in _auto's build)
+    with autocast_regions(called):  # (as in _auto's build)
         planned = apply_graph(model, chosen, graph, batch, loss_fn, replan=replan)
     sim = simulate_graph(graph, chosen)
     none = simulate_graph(graph, Plan.none())
@@ -995,7 +994,7 @@ def _auto(
             except BudgetTooSmallError as graph_err:
                 raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
     spec = _replan_budget(budget, total)
-    call_args, call_kwargs, as_called = _model_call(model, loss_fn or default_loss_fn, batch)
+    call_args, call_kwargs, called = _model_call(model, loss_fn or default_loss_fn, batch)
     example = (call_args, call_kwargs)
 
     def captured_as(inputs: Any, loss: Any, eager: Collection[int] | None = ()) -> Captured:
@@ -1011,7 +1010,6 @@ def _auto(
             **capture_options,
         )
 
-    called = _regions(as_called)
     signature = input_signature(*call_args, **call_kwargs)
 
     def measure_loss() -> tuple[int, int]:
@@ -1064,7 +1062,9 @@ def _auto(
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
     def build(plan: Plan) -> nn.Module:
-        with as_called():  # (the step state it is planned for: autocast as the step runs it)
+        with autocast_regions(
+            called
+        ):  # (the step state it is planned for: autocast as the step runs it)
             return apply(
                 model,
                 plan,
@@ -1651,13 +1651,6 @@ def _trials_shown(show: bool, measure: Callable[[Plan], int]) -> Iterator[Callab
                 bar.update()
 
         yield shown
-
-
-def _regions(as_called: Callable[[], contextlib.AbstractContextManager]) -> Any:
-    """The autocast regions (:func:`~remat.capture.chain.autocast_now`) the context
-    ``as_called`` sets."""
-    with as_called():
-        return autocast_now()
 
 
 def _first_capture(

@@ -464,15 +464,14 @@ def _model_arguments(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tup
     return args, kwargs
 
 
-def _model_call(
-    model: nn.Module, loss_fn: LossFn, batch: Any
-) -> tuple[tuple, dict, Callable[[], contextlib.AbstractContextManager]]:
-    """What ``loss_fn`` calls the model with, and the autocast state it calls it under (as a
-    context that re-enters it: stages measured alone run as they run in the step)."""
-    seen: list[tuple[tuple, dict, Callable[[], contextlib.AbstractContextManager]]] = []
+def _model_call(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, dict, Regions]:
+    """What ``loss_fn`` calls the model with, and the autocast regions it calls it in
+    (:func:`autocast_now`; :func:`autocast_regions` enters them again: stages measured alone
+    run as they run in the step)."""
+    seen: list[tuple[tuple, dict, Regions]] = []
 
     def record(*args: Any, **kwargs: Any) -> Any:
-        seen.append((args, kwargs, autocast_state()))
+        seen.append((args, kwargs, autocast_now()))
         raise _Stop
 
     try:
@@ -484,7 +483,11 @@ def _model_call(
     return seen[0]
 
 
-def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
+Regions = tuple[tuple[str, torch.dtype], ...]
+""":func:`autocast_now`: the autocast regions in force, ``(device type, dtype)`` each."""
+
+
+def autocast_now() -> Regions:
     """The ``torch.autocast`` regions in force now: ``(device type, dtype)`` for the CPU and
     CUDA where enabled (empty: none)."""
     return tuple(
@@ -494,9 +497,7 @@ def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
     )
 
 
-def autocast_regions(
-    regions: tuple[tuple[str, torch.dtype], ...],
-) -> contextlib.AbstractContextManager:
+def autocast_regions(regions: Regions) -> contextlib.AbstractContextManager:
     """A context (entered by the call) in which exactly ``regions`` (:func:`autocast_now`'s
     form) are in force: those on, the others off, inside another region too. The weight-cast
     cache is off in it, as in the planned forward (:func:`no_autocast_cache`)."""
@@ -508,14 +509,6 @@ def autocast_regions(
         elif torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
-
-
-def autocast_state() -> Callable[[], contextlib.AbstractContextManager]:
-    """The ``torch.autocast`` state in force now (CPU and CUDA), as a factory of a context that
-    sets it again (:func:`autocast_regions`); a ``loss_fn`` that calls the model inside
-    ``torch.autocast`` gets its stages measured in 16 bits, as the step runs them."""
-    regions = autocast_now()
-    return lambda: autocast_regions(regions)
 
 
 @contextlib.contextmanager
@@ -538,11 +531,11 @@ def no_autocast_cache() -> Any:
         torch.set_autocast_cache_enabled(True)
 
 
-def _under(context: Callable[[], contextlib.AbstractContextManager], run: Callable) -> Callable:
-    """``run`` called inside a fresh ``context()``."""
+def _under(regions: Regions, run: Callable) -> Callable:
+    """``run`` called in the autocast ``regions`` (:func:`autocast_regions`)."""
 
     def call(inp: Any) -> Any:
-        with context():
+        with autocast_regions(regions):
             return run(inp)
 
     return call
@@ -599,7 +592,7 @@ def _measure_chain(
         split.check(*args, **kwargs)  # compares values: not possible on fake tensors
     if split.fake_check is not None and fake:
         split.fake_check(*args, **kwargs)
-    with autocast():
+    with autocast_regions(autocast):
         a0 = split.prepare(*args, **kwargs)
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
