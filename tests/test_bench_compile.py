@@ -68,6 +68,8 @@ def test_quick_compile_bench_writes_every_point(
         assert set(row["paired"]) <= set(fits)
         assert len(row["paired"]) == min(len(fits), compile_suite.PAIRED_CANDIDATES), row
         assert all(ratio > 0 for ratio in row["paired"].values())
+        assert row["paired_interval"].keys() == row["paired"].keys()
+        assert all(0 < lo <= hi for lo, hi in row["paired_interval"].values())
     # the summary the report is written from
     summary = compile_suite.goal(rows)
     for point in summary["points"]:
@@ -121,6 +123,35 @@ def test_the_paired_time_decides_where_it_was_measured() -> None:
     assert point["paired_points"] == ["remat-compiled@a", "remat-compiled@c"]
     assert not point["dominated"] and point["paired_ratio"] == pytest.approx(1.01)
     assert point["within_noise"]
+    # with each pairing's 95 % interval, noise is 1 inside the interval holding both, and a
+    # miss whose whole interval is above 1 is measured
+    rows[0]["paired_interval"] = {"remat-compiled@a": (0.95, 0.99), "remat-compiled@c": (1.0, 1.1)}
+    point = compile_suite.goal(rows)["points"][0]
+    assert point["paired_interval"] == [0.95, 1.1]
+    assert point["within_noise"] and not point["slower"]
+    rows[0]["paired"] = {"remat-compiled@a": 1.03, "remat-compiled@c": 1.05}
+    rows[0]["paired_interval"] = {
+        "remat-compiled@a": (1.01, 1.04),
+        "remat-compiled@c": (1.02, 1.08),
+    }
+    point = compile_suite.goal(rows)["points"][0]
+    assert not point["within_noise"] and point["slower"] and not point["dominated"]
+
+
+def test_the_paired_interval_brackets_a_tie_and_excludes_a_measured_loss() -> None:
+    from remat.measure.events import median_ratio, median_ratio_interval
+
+    gen = torch.Generator().manual_seed(0)
+    drift = 1 + 0.5 * torch.rand(41, generator=gen)  # the machine's load, shared by a round
+    base = (drift * (1 + 0.02 * torch.rand(41, generator=gen))).tolist()
+    same = (drift * (1 + 0.02 * torch.rand(41, generator=gen))).tolist()
+    slower = (drift * (1.05 + 0.02 * torch.rand(41, generator=gen))).tolist()
+    times = {"base": base, "same": same, "slower": slower}
+    lo, hi = median_ratio_interval(times, "same", "base")
+    assert lo <= 1.0 <= hi and hi - lo < 0.2
+    lo, hi = median_ratio_interval(times, "slower", "base")
+    assert 1.0 < lo <= median_ratio(times, "slower", "base") <= hi
+    assert median_ratio_interval(times, "slower", "base") == (lo, hi)  # seeded
 
 
 def test_gradient_error_reads_a_zero_gradient_as_its_absolute_error() -> None:

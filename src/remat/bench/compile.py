@@ -28,7 +28,10 @@ come from separate interleaved loops (each against its own eager steps), so a ti
 can go either way: ``margin`` says by how much each compile point was beaten or missed. So at
 the end of each model every compile point is timed in one loop against the fastest
 remat-compiled points within its peak (:func:`_pair`; ``paired`` in its row), and where that was
-measured it decides ``dominated`` (remat step / compile step <= 1).
+measured it decides ``dominated`` (remat step / compile step <= 1). Its 95 % interval
+(``paired_interval``: the loop's rounds resampled) says whether a miss is noise (1 inside it:
+``within_noise``) or measured (``slower``: the whole interval above 1); the verdict stays the
+ratio itself.
 
     remat bench compile --out docs/results/compile
     remat bench compile --quick --out /tmp/compile      # the MLP chain, two compile points
@@ -58,7 +61,7 @@ from remat.bench.suites import (
 )
 from remat.core.units import format_bytes
 from remat.execute.chain import describe_compiled, partitioner_budget
-from remat.measure.events import interleaved_times
+from remat.measure.events import interleaved_times, median_ratio, median_ratio_interval
 from remat.planners import BudgetTooSmallError
 
 __all__ = [
@@ -266,15 +269,25 @@ def goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # timed against each other in one loop: the verdict (the ratios against eager
             # above come from separate loops)
             plan = min(paired, key=lambda k: paired[k][0])
-            ratio, names = paired[plan]
+            ratio, names, interval = paired[plan]
             point.update(
                 paired_remat_compiled=names[0],
                 paired_points=names,
                 paired_plan=plan,
                 paired_ratio=ratio,
                 dominated=ratio <= 1.0,
-                within_noise=abs(ratio - 1.0) < PAIRED_NOISE,
+                # a tie: 1 inside the 95 % interval of the loop's rounds resampled (older
+                # results without one: within PAIRED_NOISE of 1)
+                within_noise=(
+                    interval[0] <= 1.0 <= interval[1]
+                    if interval
+                    else abs(ratio - 1.0) < PAIRED_NOISE
+                ),
             )
+            if interval:
+                point["paired_interval"] = list(interval)
+                # remat measurably slower: the whole interval above 1
+                point["slower"] = interval[0] > 1.0
         points.append(point)
     least = min((c["peak_bytes"] for c in compiled), default=None)
     below = [r for r in remat_all if least is not None and r["peak_bytes"] < least]
@@ -294,24 +307,34 @@ PAIRED_CANDIDATES = 2
 
 
 PAIRED_NOISE = 0.02
-"""How far apart two pairings of the same remat plan against the same compile point came out
-(GPT-2, 31 steps: 0.910 and 0.946): a paired ratio closer to 1 is reported as within noise."""
+"""Results written before the paired interval (``paired_interval``): how far apart two
+pairings of the same remat plan against the same compile point came out (GPT-2, 31 steps:
+0.910 and 0.946); a paired ratio closer to 1 was reported as within noise."""
 
 
 def _paired_by_plan(
     c: dict[str, Any], fits: list[dict[str, Any]]
-) -> dict[str, tuple[float, list[str]]]:
+) -> dict[str, tuple[float, list[str], tuple[float, float] | None]]:
     """``c``'s paired ratios (:func:`_pair`) against the points of ``fits``, per plan run (the
-    plan and its peak): their mean and the points. auto gives the same plan at several
-    budgets; the least of their ratios would be biased low, their mean is not."""
-    by_plan: dict[str, list[tuple[float, str]]] = {}
+    plan and its peak): their mean, the points, and an interval that holds each point's 95 %
+    interval (None where one was not measured). auto gives the same plan at several budgets;
+    the least of their ratios would be biased low, their mean is not."""
+    by_plan: dict[str, list[str]] = {}
     for r in fits:
         if r["method"] in c.get("paired", {}):
             key = f"{r.get('plan')} ({format_bytes(r['peak_bytes'])})"
-            by_plan.setdefault(key, []).append((c["paired"][r["method"]], r["method"]))
-    return {
-        k: (statistics.fmean(x for x, _ in v), [name for _, name in v]) for k, v in by_plan.items()
-    }
+            by_plan.setdefault(key, []).append(r["method"])
+    found = c.get("paired_interval", {})
+    out = {}
+    for key, names in by_plan.items():
+        intervals = [found.get(name) for name in names]
+        interval = (
+            (min(lo for lo, _ in intervals), max(hi for _, hi in intervals))  # type: ignore[misc]
+            if all(intervals)
+            else None
+        )
+        out[key] = (statistics.fmean(c["paired"][name] for name in names), names, interval)
+    return out
 
 
 def _pair(rows: list[dict[str, Any]], keep: dict[str, Setup], work: Workload, repeats: int) -> None:
@@ -334,7 +357,7 @@ def _pair(rows: list[dict[str, Any]], keep: dict[str, Setup], work: Workload, re
             ),
             key=lambda r: r["time_ratio"],
         )
-        c["paired"] = {}
+        c["paired"], c["paired_interval"] = {}, {}
         for r in fits[:PAIRED_CANDIDATES]:
             torch._dynamo.reset()
             steps = {
@@ -342,8 +365,10 @@ def _pair(rows: list[dict[str, Any]], keep: dict[str, Setup], work: Workload, re
                 for name in (c["method"], r["method"])
             }
             times = interleaved_times(steps, repeats=repeats, warmup=2)
-            ratio = statistics.median(times[r["method"]]) / statistics.median(times[c["method"]])
-            c["paired"][r["method"]] = ratio
+            c["paired"][r["method"]] = median_ratio(times, r["method"], c["method"])
+            c["paired_interval"][r["method"]] = median_ratio_interval(
+                times, r["method"], c["method"]
+            )
     torch._dynamo.reset()
 
 
@@ -466,13 +491,18 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         ties = [p["compile_point"] for p in g["points"] if p.get("within_noise")]
         if ties:
             dom += f" (within noise at {', '.join(ties)})"
+        slower = [p["compile_point"] for p in g["points"] if p.get("slower")]
+        if slower:
+            dom += f" (measurably slower at {', '.join(slower)})"
         lines.append(f"| {model} | {dom} | {below} | {'holds' if g['holds'] else 'fails'} |")
     lines += ["", "## Per compile point", ""]
     lines += [
         "Time against eager comes from each point's own loop; the verdict is the paired time:",
         "the compile point and the fastest remat-compiled points within its peak timed against",
         "each other in one loop (remat step / compile step; <= 1 dominates; points that run the",
-        f"same plan averaged; within {PAIRED_NOISE} of 1: within noise, a tie).",
+        "same plan averaged). In brackets its 95 % interval (the loop's rounds resampled, SciPy's",
+        "bootstrap; for a plan paired twice, one interval holding both): 1 inside it is within",
+        "noise, a tie; all of it above 1, measurably slower.",
         "",
         "| model | compile point | peak | time | best remat-compiled within it | its time | "
         "margin | paired (remat / compile) |",
@@ -485,10 +515,14 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
             mg = f"{p['margin']:+.2f}" if p["margin"] is not None else "-"
             paired = "-"
             if "paired_ratio" in p:
-                paired = f"{p['paired_ratio']:.3f} ({p['paired_plan']}"
+                paired = f"{p['paired_ratio']:.3f}"
+                if "paired_interval" in p:
+                    paired += " [{:.3f}, {:.3f}]".format(*p["paired_interval"])
+                paired += f" ({p['paired_plan']}"
                 if len(p["paired_points"]) > 1:
                     paired += f"; mean of {len(p['paired_points'])} points"
                 paired += ")" + (" within noise" if p["within_noise"] else "")
+                paired += " measurably slower" if p.get("slower") else ""
             lines.append(
                 f"| {model} | {p['compile_point']} | {format_bytes(p['peak_bytes'])} | "
                 f"{p['time_ratio']:.2f} | {best} | {bt} | {mg} | {paired} |"

@@ -499,3 +499,29 @@ def interleaved_times(
 def median_ratio(times: Mapping[str, list[float]], name: str, baseline: str) -> float:
     """median(times[name]) / median(times[baseline])."""
     return statistics.median(times[name]) / statistics.median(times[baseline])
+
+
+def median_ratio_interval(
+    times: Mapping[str, list[float]], name: str, baseline: str, level: float = 0.95
+) -> tuple[float, float]:
+    """A ``level`` confidence interval of :func:`median_ratio` for one interleaved loop
+    (:func:`interleaved_times`): SciPy's percentile bootstrap, the loop's rounds resampled
+    whole (round ``i`` of ``name`` with round ``i`` of ``baseline``: they ran side by side, so
+    drift on a shared machine moves both). Seeded: the same times give the same interval."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    def ratio(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
+        return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+    result = bootstrap(
+        (np.asarray(times[name]), np.asarray(times[baseline])),
+        ratio,
+        paired=True,
+        vectorized=True,
+        n_resamples=2000,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(0),
+    )
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
