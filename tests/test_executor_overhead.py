@@ -312,7 +312,7 @@ def test_input_signature_of_plain_arguments_is_the_flattened_one() -> None:
     first time and from its cache of structures."""
     import numpy as np
 
-    from remat.execute.chain import _flattened_signature, input_signature
+    from remat.guards import _flattened_signature, input_signature
 
     x = torch.randn(2, 3)
     ids = torch.zeros(2, 4, dtype=torch.long)

@@ -296,7 +296,7 @@ def test_cli_prints_the_setup_and_the_smallest_budget(capsys: pytest.CaptureFixt
 def test_loss_that_calls_the_model_on_part_of_the_batch() -> None:
     """batch = (x, y) and the loss calls model(x): the plan is made for x's microbatch (what the
     model receives), and the microbatched step gives the full batch's gradients."""
-    from remat.execute.chain import input_signature
+    from remat.guards import input_signature
 
     model = _mlp(width=32, layers=4, dtype=torch.float64)
     x, y = torch.randn(32, 32, dtype=torch.float64), torch.randn(32, 32, dtype=torch.float64)

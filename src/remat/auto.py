@@ -55,13 +55,11 @@ from remat.core.step import LOOPS, StepCosts, check_loop, criterion_costs, outpu
 from remat.core.units import format_bytes, parse_bytes, resolve_budget
 from remat.execute.chain import (
     PARTITIONER_SOLVERS,
-    _describe_signature,
     apply,
     as_one_graph,
     call_loss,
     compile_options,
     describe_compiled,
-    input_signature,
     partitioner_budget,
     partitioner_solver,
     replanning_state,
@@ -76,6 +74,8 @@ from remat.guards import (
     BufferSnapshot,
     check_no_own_checkpointing,
     check_not_wrapped,
+    describe_signature,
+    input_signature,
 )
 from remat.measure.calibration import planning_device, time_model_for
 from remat.measure.events import (
@@ -768,7 +768,7 @@ def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[N
     try:
         yield
     except BudgetTooSmallError as err:
-        shape = _describe_signature(input_signature(*args, **kwargs))
+        shape = describe_signature(input_signature(*args, **kwargs))
         held = (
             " with every parameter gradient already held (gradient accumulation, or no "
             "zero_grad(set_to_none=True) before the step)"

@@ -9,6 +9,9 @@
   model on (a model may write into its input; the caller's batch stays as it was).
 * :class:`InPlaceInputError` (:func:`in_place_input_error`): a stage that writes into its input
   cannot start a checkpointed segment (the chain capture and the executor both check it).
+* :func:`input_signature`: what a plan depends on in a call's inputs (shapes, dtypes,
+  structure, plain values); the planned modules key their plans by it, the blocks family its
+  composition check.
 
 They live here, below the stage splitter, the executors, :func:`remat.auto`, :func:`remat.fit`
 and :mod:`remat.distributed`, so that all of them can call them without importing each other.
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from remat.core.errors import RematError, UnsupportedModelError
 
@@ -35,6 +38,8 @@ __all__ = [
     "WrapOrderError",
     "check_not_wrapped",
     "check_no_own_checkpointing",
+    "describe_signature",
+    "input_signature",
 ]
 
 ORDER_HELP = (
@@ -290,3 +295,59 @@ def running_stat_bytes(module: nn.Module, paused: bool = False) -> int:
         if running_stat(m, name) and not (paused and pauses_update(m))
     }
     return sum(found.values())
+
+
+def input_signature(*args: Any, **kwargs: Any) -> tuple:
+    """What a plan depends on in the inputs: tensor shapes and dtypes, and the structure.
+
+    Non-tensor leaves (flags, ``None``) are part of the signature by type and, for plain
+    scalars and strings, by value.
+    """
+    # read on every training step: arguments that are plain tensors, scalars or None (the
+    # common call) skip the pytree flatten, and their structure's string is made once
+    sig: list[Any] = []
+    for leaf in (*args, *kwargs.values()):
+        kind = type(leaf)
+        if kind is torch.Tensor or kind is nn.Parameter:
+            sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
+        elif leaf is None or kind in _PLAIN_VALUES:
+            sig.append(("value", leaf))
+        else:  # a container, a tensor subclass, another object: the general path
+            return _flattened_signature(args, kwargs)
+    key = (len(args), tuple(kwargs))
+    spec = _PLAIN_SPECS.get(key)
+    if spec is None:
+        spec = _PLAIN_SPECS[key] = str(tree_flatten((args, kwargs))[1])
+    return (spec, tuple(sig))
+
+
+_PLAIN_VALUES = (bool, int, float, str)
+_PLAIN_SPECS: dict[tuple[int, tuple[str, ...]], str] = {}
+"""The structure's string of a call with only plain arguments, by their number and keywords."""
+
+
+def _flattened_signature(args: tuple, kwargs: dict) -> tuple:
+    """:func:`input_signature` of any arguments, through the pytree flatten."""
+    leaves, spec = tree_flatten((args, kwargs))
+    sig: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
+        elif leaf is None or isinstance(leaf, _PLAIN_VALUES):
+            sig.append(("value", leaf))
+        else:
+            sig.append(("object", type(leaf).__qualname__))
+    return (str(spec), tuple(sig))
+
+
+def describe_signature(sig: tuple) -> str:
+    """:func:`input_signature` as the shapes, dtypes and values it holds, for a message."""
+    parts = []
+    for item in sig[1]:
+        if item[0] == "tensor":
+            parts.append(f"{list(item[1])} {item[2].replace('torch.', '')}")
+        elif item[0] == "value":
+            parts.append(repr(item[1]))
+        else:
+            parts.append(item[1])
+    return "(" + ", ".join(parts) + ")"

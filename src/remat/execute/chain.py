@@ -66,7 +66,9 @@ from remat.guards import (
     buffer_slots,
     check_no_own_checkpointing,
     check_not_wrapped,
+    describe_signature,
     in_place_input_error,
+    input_signature,
     pauses_update,
     running_stat,
     tensor_version,
@@ -99,62 +101,6 @@ class SignatureMismatchError(RematError, ValueError):
 
 # The checkpoint function the executor calls (a module attribute so tests can count calls).
 checkpoint = _torch_checkpoint.checkpoint
-
-
-# ---------------------------------------------------------------------- input signatures
-def input_signature(*args: Any, **kwargs: Any) -> tuple:
-    """What a plan depends on in the inputs: tensor shapes and dtypes, and the structure.
-
-    Non-tensor leaves (flags, ``None``) are part of the signature by type and, for plain
-    scalars and strings, by value.
-    """
-    # read on every training step: arguments that are plain tensors, scalars or None (the
-    # common call) skip the pytree flatten, and their structure's string is made once
-    sig: list[Any] = []
-    for leaf in (*args, *kwargs.values()):
-        kind = type(leaf)
-        if kind is torch.Tensor or kind is nn.Parameter:
-            sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
-        elif leaf is None or kind in _PLAIN_VALUES:
-            sig.append(("value", leaf))
-        else:  # a container, a tensor subclass, another object: the general path
-            return _flattened_signature(args, kwargs)
-    key = (len(args), tuple(kwargs))
-    spec = _PLAIN_SPECS.get(key)
-    if spec is None:
-        spec = _PLAIN_SPECS[key] = str(tree_flatten((args, kwargs))[1])
-    return (spec, tuple(sig))
-
-
-_PLAIN_VALUES = (bool, int, float, str)
-_PLAIN_SPECS: dict[tuple[int, tuple[str, ...]], str] = {}
-"""The structure's string of a call with only plain arguments, by their number and keywords."""
-
-
-def _flattened_signature(args: tuple, kwargs: dict) -> tuple:
-    """:func:`input_signature` of any arguments, through the pytree flatten."""
-    leaves, spec = tree_flatten((args, kwargs))
-    sig: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            sig.append(("tensor", tuple(leaf.shape), str(leaf.dtype)))
-        elif leaf is None or isinstance(leaf, _PLAIN_VALUES):
-            sig.append(("value", leaf))
-        else:
-            sig.append(("object", type(leaf).__qualname__))
-    return (str(spec), tuple(sig))
-
-
-def _describe_signature(sig: tuple) -> str:
-    parts = []
-    for item in sig[1]:
-        if item[0] == "tensor":
-            parts.append(f"{list(item[1])} {item[2].replace('torch.', '')}")
-        elif item[0] == "value":
-            parts.append(repr(item[1]))
-        else:
-            parts.append(item[1])
-    return "(" + ", ".join(parts) + ")"
 
 
 def _example_args(example: Any) -> tuple[tuple, dict]:
@@ -336,8 +282,8 @@ class SignaturePlans:
                 self.current, self.signature, self.key = cached, sig, key
             elif self.replan is None:
                 what = (
-                    f"inputs {_describe_signature(self.signature)} but the model was called with "
-                    f"{_describe_signature(sig)}"
+                    f"inputs {describe_signature(self.signature)} but the model was called with "
+                    f"{describe_signature(sig)}"
                     if sig != self.signature
                     else "another training state (which parameters train, gradients already "
                     "held at the forward's start: accumulation, no zero_grad(set_to_none=True), "

@@ -80,11 +80,10 @@ from remat.execute.chain import (
     PlannedWrapper,
     SignaturePlans,
     call_loss,
-    input_signature,
     planned_state,
     step_state,
 )
-from remat.guards import check_no_own_checkpointing
+from remat.guards import check_no_own_checkpointing, input_signature
 from remat.guards import tensor_version as _version
 from remat.measure.profile import LossFn, default_loss_fn
 

@@ -74,6 +74,7 @@ from remat.capture.stages.base import (
     items,
     same_forward,
 )
+from remat.guards import input_signature
 
 KIND = "blocks"
 _TENSOR = object()  # in a recorded call: the tensor the first block takes at this place
@@ -147,7 +148,7 @@ def split(model: nn.Module) -> Stages | None:
     def check(*args: Any, **kwargs: Any) -> None:
         # once; and once more for each new input shape when the blocks take arguments that
         # differ block to block (recorded for each shape: _Recording)
-        key = _shapes((args, kwargs))
+        key = input_signature(*args, **kwargs)
         if key not in checks and (not checks or spec.recorded):
             checks[key] = _CompositionCheck(model, holder, what, around=lambda: _Recording(spec))
         if key in checks:
@@ -157,7 +158,7 @@ def split(model: nn.Module) -> Stages | None:
 
     def fake_check(*args: Any, **kwargs: Any) -> None:
         # a fake capture: the calls' arguments recorded on the model's own run, on fake tensors
-        key = _shapes((args, kwargs))
+        key = input_signature(*args, **kwargs)
         if key in faked:
             return
         a, kw = prepare(*args, **kwargs)
@@ -339,13 +340,6 @@ class _Spec:
         return tree_unflatten(
             [f if r is _TENSOR else r for f, r in zip(flat, rec, strict=True)], tree
         )
-
-
-def _shapes(tree: Any) -> tuple:
-    return tuple(
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-        for t in tree_flatten(tree)[0]
-    )
 
 
 class _Recording:
