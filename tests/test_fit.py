@@ -407,3 +407,84 @@ def test_the_least_named_on_a_real_model_is_accepted_and_met(name: str, precisio
         assert setup.predicted_peak_bytes is not None and setup.predicted_peak_bytes <= least
         assert setup.measured_peak_bytes is not None
         assert setup.measured_peak_bytes <= setup.predicted_peak_bytes, (k, setup.plan)
+
+
+class _TokenModel(nn.Module):
+    """A tiny language model whose loss is a mean over tokens, as Hugging Face's are: over the
+    labels other than -100, the first of each row left out where it predicts the next token."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.causal = causal
+        self.embed = nn.Embedding(32, 16)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.body(self.embed(input_ids))).double()
+        if self.causal:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _padded_tokens(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (rows, length), generator=gen)
+    labels = ids.clone()
+    labels[: rows // 2, 3:] = -100  # the first half mostly padding: microbatches count unequal
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["shifted", "unshifted"])
+def test_a_mean_over_tokens_is_weighted_by_its_labels_under_microbatches(causal: bool) -> None:
+    # weighted by examples, the first microbatch's 8 tokens would count as much as the
+    # second's 48: another gradient than the batch's (a causal LM's: 1.4 of its norm off)
+    model = _TokenModel(causal).double()
+    reference = copy.deepcopy(model)
+    batch = _padded_tokens()
+    setup = fit(model, batch, "1GiB", lambda m, b: m(**b), microbatches=[2],
+                precisions=["fp32"], measure=False, progress=False)  # fmt: skip
+    assert setup.microbatches == 2
+    assert setup.weighting.startswith("labels other than -100")
+    assert ("first left out" in setup.weighting) == causal
+    assert "microbatch losses weighted by: labels" in str(setup)
+    loss = setup.step(batch)
+    want = reference(**batch)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach().float(), rtol=1e-6, atol=0)  # (float32)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_gpt2_with_padding_fits_microbatches_with_the_batchs_gradients() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    for m in model.modules():  # the gradient compared exactly: no dropout
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    reference = copy.deepcopy(model)
+    batch = _padded_tokens(8, 16)
+    batch["attention_mask"] = (batch["labels"] != -100).long()
+    setup = fit(model, batch, "1GiB", microbatches=[4], precisions=["fp32"], measure=False,
+                progress=False)  # fmt: skip
+    assert "a causal LM's shift" in setup.weighting
+    setup.step(batch)
+    reference(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_mean_over_something_else_is_refused_before_microbatching() -> None:
+    # normalised by the batch size squared: no count of examples or labels gives it back
+    model = _mlp(width=16, layers=2, dtype=torch.float64)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="count="):
+        fit(model, x, "1GiB", lambda m, b: m(b).square().sum() / len(b) ** 2, microbatches=[2],
+            precisions=["fp32"], measure=False, progress=False)  # fmt: skip
+    # an example mean passes, and says so
+    setup = fit(model, x, "1GiB", _mse, microbatches=[2], precisions=["fp32"], measure=False,
+                progress=False)  # fmt: skip
+    assert setup.weighting == "examples"

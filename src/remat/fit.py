@@ -61,8 +61,9 @@ Known limitations:
       :meth:`FitSetup.step` runs them if you build a setup with :func:`make_setup`.
     * Batch norm under microbatching normalises each microbatch by its own statistics:
       gradients then differ from the full batch's (NOTE [ Batch norm under microbatching ]).
-    * A loss averaged over something other than examples (tokens with ``-100`` labels) needs
-      ``count=`` for exact microbatch gradients.
+    * A loss averaged over something other than examples is found on the model before
+      microbatching (:func:`remat.levers.loss_weighting`: tokens with ``-100`` labels, a causal
+      LM's shifted ones); any other needs ``count=``, and is refused without it.
     * Every search candidate costs one real capture; the time of a 16-bit stage is scaled
       from fp32 by one factor.
 """
@@ -92,7 +93,7 @@ from remat.core.units import format_bytes, format_time, resolve_budget
 from remat.execute.chain import PlannedModule, apply
 from remat.guards import BufferSnapshot, check_not_wrapped
 from remat.levers import Precision, compress_saved_activations, magnitude_prune, make_grad_scaler
-from remat.levers.microbatch import MicroBatcher, batch_size, split_batch
+from remat.levers.microbatch import MicroBatcher, batch_size, loss_weighting, split_batch
 from remat.levers.sparsity import predicted_sparse_bytes
 from remat.measure.events import (
     cuda_step_peak_bytes,
@@ -245,6 +246,9 @@ class FitSetup:
     """Weight density applied by magnitude pruning (None: dense weights)."""
     sparse_weight_bytes: tuple[int, int] | None = None
     """``(dense bytes, CSR bytes with int32 indices)`` of the masked weights."""
+    weighting: str = "examples"
+    """What each microbatch's loss is weighted by (:func:`remat.levers.loss_weighting`):
+    ``"examples"``, the labels other than -100 (a mean over tokens), ``"count="`` (given)."""
     _state: _StepState | None = field(default=None, repr=False, compare=False)
 
     # -------------------------------------------------------------- training
@@ -324,6 +328,8 @@ class FitSetup:
                 f"dense, {format_bytes(csr)} in CSR (int32 indices) - dense PyTorch saves none "
                 "of it"
             )
+        if self.microbatches > 1:
+            lines.append(f"  microbatch losses weighted by: {self.weighting}")
         if self.reserve_bytes:
             lines.append(
                 f"  reserved {format_bytes(self.reserve_bytes)} that a first measurement "
@@ -816,6 +822,13 @@ class _Search:
         precision = Precision(compute=PRECISIONS[chosen.precision])
         if reduction is None:
             reduction = "mean" if user_loss is not None or k == 1 else self._probe_reduction()
+        weighting = "examples" if reduction == "mean" else "none (a summed loss)"
+        if count is not None:
+            weighting = "count="
+        elif k > 1 and reduction == "mean":
+            # a mean over tokens (padding, -100 labels) weighted by examples trains another
+            # model: which one the loss is, found on the model
+            weighting, count = loss_weighting(self.model, self.batch, self.loss_fn)
         planned = apply(
             self.model,
             chosen.plan,
@@ -871,6 +884,7 @@ class _Search:
             candidates=tuple(candidates),
             density=None if self.masks is None else self.masks.density(),
             sparse_weight_bytes=sparse,
+            weighting=weighting,
             _state=state,
         )
 

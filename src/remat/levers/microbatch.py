@@ -15,8 +15,9 @@ gradients accumulate in ``.grad``:
   microbatches get one example more, :func:`split_sizes`).
 * ``reduction="sum"`` (a loss summed over examples): ``w_i = 1``.
 * a loss averaged over something else (tokens with ``-100`` labels, pixels of a mask): pass
-  ``count=`` (e.g. the number of valid tokens in a microbatch); then ``w_i = c_i / sum_j c_j``,
-  which is exact when the loss is the mean over those counted items.
+  ``count=`` (e.g. the number of valid tokens in a microbatch, :func:`valid_labels`); then
+  ``w_i = c_i / sum_j c_j``, which is exact when the loss is the mean over those counted items.
+  :func:`loss_weighting` finds which of these a model's loss needs, on the model itself.
 
 What does **not** equal the full batch (NOTE [ Batch norm under microbatching ]): a model whose
 forward mixes examples of a batch. Batch norm in training mode normalises each microbatch with
@@ -56,9 +57,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 __all__ = [
+    "IGNORE_INDEX",
     "MicroBatcher",
+    "loss_weighting",
+    "valid_labels",
     "accumulate_step",
     "split_batch",
     "split_sizes",
@@ -114,14 +119,15 @@ class MicroBatcher:
         """The k microbatches of ``batch`` (views, no copies)."""
         return split_batch(batch, self.k)
 
-    def weights(self, microbatches: Sequence[Any]) -> list[Any]:
-        """The loss weight of each microbatch (floats, or tensors when ``count`` gives them)."""
+    def weights(self, microbatches: Sequence[Any]) -> list[float]:
+        """The loss weight of each microbatch (Python floats: a weight multiplies the loss in
+        its own dtype; counts ``count`` gives as tensors are read once, before the step)."""
         if self.reduction == "sum":
             return [1.0] * len(microbatches)
-        counts = [batch_size(mb) if self.count is None else self.count(mb) for mb in microbatches]
+        counts = [
+            batch_size(mb) if self.count is None else float(self.count(mb)) for mb in microbatches
+        ]
         total = sum(counts)
-        if isinstance(total, torch.Tensor):
-            return [c / total for c in counts]
         if total == 0:
             raise ValueError("count() gave 0 items over the whole batch: the mean is undefined")
         return [c / total for c in counts]
@@ -163,6 +169,130 @@ class MicroBatcher:
             optimizer.zero_grad(set_to_none=True)
         assert total is not None
         return total
+
+
+IGNORE_INDEX = -100
+"""The label PyTorch's cross entropy and Hugging Face's losses leave out of their mean."""
+
+
+def valid_labels(shift: bool = False) -> Callable[[Any], torch.Tensor]:
+    """``count=`` for a loss averaged over the labels that are not :data:`IGNORE_INDEX` in a
+    mapping batch's ``"labels"`` (Hugging Face token-level losses: padding, prompts masked out).
+    ``shift=True`` leaves each row's first label out, as a causal language model's loss does
+    (it predicts token t + 1 from the tokens up to t)."""
+
+    def count(microbatch: Any) -> torch.Tensor:
+        labels = microbatch["labels"]
+        return (labels[..., 1:] if shift else labels).ne(IGNORE_INDEX).sum()
+
+    return count
+
+
+def loss_weighting(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None = None
+) -> tuple[str, Callable[[Any], Any] | None]:
+    """What a mean-reduced loss averages over, found on the model: ``(what, count)`` for
+    :class:`MicroBatcher`, the first of examples (``count=None``), :func:`valid_labels` and
+    ``valid_labels(shift=True)`` whose microbatch weights give back the gradient of the whole.
+
+    The probe is the batch's first two examples, each its own microbatch; where the batch holds
+    token-level ``"labels"`` (an integer tensor of two or more dims), the first example keeps
+    two labels (the rest :data:`IGNORE_INDEX`) and the second all of them, so that the two hold
+    unequal counts (on a batch without padding every rule agrees, and disagrees on the next
+    padded batch). Each
+    gradient is reduced to its dot products with the parameters and with ones, per parameter,
+    and a rule holds where the weighted sum of the two examples' matches the pair's within
+    1e-3 (float32's rounding is about 1e-6; a wrong weight, 10 % or more on a padded pair). A
+    loss on its value alone does not tell them apart: at initialisation every token's loss is
+    about log(vocabulary). The model runs in eval mode (dropout off, batch norm on its running
+    statistics: the examples independent) under no autocast; its gradients, mode and RNG are
+    put back.
+
+    Raises:
+        ValueError: no rule gives the whole batch's gradient: microbatches would train another
+            model than the batch; pass ``count=`` (or ``reduction="sum"``) or one microbatch.
+    """
+    if batch_size(batch) < 2:
+        return "examples", None
+    pair = tree_map_only(torch.Tensor, lambda t: t.clone() if t.dim() > 0 else t,
+                         _take(batch, [2, batch_size(batch) - 2], 0))  # fmt: skip
+    rules: list[tuple[str, Callable[[Any], Any] | None]] = [("examples", None)]
+    labels = pair.get("labels") if isinstance(pair, Mapping) else None
+    if (
+        isinstance(labels, torch.Tensor)
+        and labels.dim() >= 2
+        and not labels.is_floating_point()
+        and labels.shape[-1] >= 4
+    ):
+        # unequal counts whatever the batch held: the first example keeps two labels, the
+        # second all (class 0 where it had none)
+        labels[1].masked_fill_(labels[1] == IGNORE_INDEX, 0)
+        labels[0] = IGNORE_INDEX
+        labels[0, :2] = 0
+        rules += [
+            ("labels other than -100", valid_labels()),
+            ("labels other than -100, each row's first left out (a causal LM's shift)",
+             valid_labels(shift=True)),
+        ]  # fmt: skip
+    try:
+        whole, parts = _probe(model, pair, loss_fn)
+    except Exception:  # noqa: BLE001 - a loss that cannot take -100 labels has no such labels
+        if len(rules) == 1:
+            raise
+        pair, rules = _take(batch, [2, batch_size(batch) - 2], 0), rules[:1]
+        whole, parts = _probe(model, pair, loss_fn)
+    halves = split_batch(pair, 2)
+    scale = float(whole.norm()) or 1.0
+    for what, count in rules:
+        weights = MicroBatcher(2, loss_fn, count=count).weights(halves)
+        mixed = sum(w * g for w, g in zip(weights, parts, strict=True))
+        if float((mixed - whole).norm()) <= 1e-3 * scale:
+            return what, count
+    raise ValueError(
+        "microbatching: the loss is a mean, but not over examples, nor over labels other than "
+        f"{IGNORE_INDEX}: the summed microbatch gradients would not be the batch's. Pass "
+        "count=(microbatch -> the number of items the loss averages over), or "
+        "reduction='sum' for a summed loss, or microbatches=[1]"
+    )
+
+
+def _probe(
+    model: nn.Module, pair: Any, loss_fn: LossFn | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`_projected_gradient` of ``pair`` and of each of its two examples, in eval mode;
+    the model's gradients, mode and RNG put back."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    training = model.training
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]):
+            whole, *parts = (
+                _projected_gradient(model, b, loss_fn, params)
+                for b in (pair, *split_batch(pair, 2))
+            )
+    finally:
+        model.train(training)
+        for p, g in zip(params, held, strict=True):
+            p.grad = g
+    return whole, parts
+
+
+def _projected_gradient(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, params: Sequence[nn.Parameter]
+) -> torch.Tensor:
+    """The gradient of ``batch``'s loss as its dot products with each parameter and with
+    ones (no copy of a parameter's size is made), float64."""
+    for p in params:
+        p.grad = None
+    compute_loss(model, batch, loss_fn).backward()
+    dots = []
+    with torch.no_grad():
+        for p in params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            flat = g.reshape(-1)
+            dots += [torch.dot(flat, p.detach().reshape(-1)).double(), flat.sum().double()]
+    return torch.stack(dots).cpu()
 
 
 def accumulate_step(
