@@ -195,10 +195,12 @@ def test_batch_norm_model_with_microbatches_stays_within_budget() -> None:
     least = min(c.min_peak_bytes for c in probe.candidates)
     assert least < probe.candidates[0].min_peak_bytes
     budget = (least + probe.candidates[0].min_peak_bytes) // 2
-    setup = fit(entry.model, entry.batch, budget, entry.loss_fn, optimizer=opt,
-                precisions=["fp32"], progress=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="batch norm .* normalises each microbatch"):
+        setup = fit(entry.model, entry.batch, budget, entry.loss_fn, optimizer=opt,
+                    precisions=["fp32"], progress=False)  # fmt: skip
     assert setup.measured_peak_bytes is not None and setup.measured_peak_bytes <= budget
     assert setup.microbatches > 1
+    assert f"running statistics move {setup.microbatches} times a step" in str(setup)
     before = entry.model[1].bn1.num_batches_tracked.clone()
     setup.step(entry.batch, opt)
     # batch norm sees each microbatch once (recomputation does not update it again)

@@ -246,6 +246,9 @@ class FitSetup:
     """Weight density applied by magnitude pruning (None: dense weights)."""
     sparse_weight_bytes: tuple[int, int] | None = None
     """``(dense bytes, CSR bytes with int32 indices)`` of the masked weights."""
+    batch_norms: int = 0
+    """Batch-norm modules in the model: with microbatches each normalises a microbatch by its
+    own statistics (:func:`_batch_norm_note`)."""
     weighting: str = "examples"
     """What each microbatch's loss is weighted by (:func:`remat.levers.loss_weighting`):
     ``"examples"``, the labels other than -100 (a mean over tokens), ``"count="`` (given)."""
@@ -330,6 +333,11 @@ class FitSetup:
             )
         if self.microbatches > 1:
             lines.append(f"  microbatch losses weighted by: {self.weighting}")
+        if self.microbatches > 1 and self.batch_norms:
+            note = _batch_norm_note(
+                self.batch_norms, self.microbatch_size, self.batch_size, self.microbatches
+            )
+            lines.append(f"  {note}")
         if self.reserve_bytes:
             lines.append(
                 f"  reserved {format_bytes(self.reserve_bytes)} that a first measurement "
@@ -829,6 +837,9 @@ class _Search:
             # a mean over tokens (padding, -100 labels) weighted by examples trains another
             # model: which one the loss is, found on the model
             weighting, count = loss_weighting(self.model, self.batch, self.loss_fn)
+        norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
+        if k > 1 and norms:
+            warnings.warn(_batch_norm_note(norms, chosen.microbatch_size, self.n, k), stacklevel=3)
         planned = apply(
             self.model,
             chosen.plan,
@@ -885,6 +896,7 @@ class _Search:
             density=None if self.masks is None else self.masks.density(),
             sparse_weight_bytes=sparse,
             weighting=weighting,
+            batch_norms=norms,
             _state=state,
         )
 
@@ -895,6 +907,16 @@ class _Search:
         with _preserved(self.model), torch.no_grad():
             out = _call(self.model, one)
         return "mean" if isinstance(getattr(out, "loss", None), torch.Tensor) else "sum"
+
+
+def _batch_norm_note(norms: int, size: int, n: int, k: int) -> str:
+    """What microbatching changes in a model with batch norm (NOTE [ Batch norm under
+    microbatching ] in remat.levers.microbatch)."""
+    return (
+        f"batch norm ({norms} modules) normalises each microbatch of {size} by its own "
+        f"statistics, not the batch of {n}: the gradients are not the whole batch's, and the "
+        f"running statistics move {k} times a step (pass microbatches=[1] to keep the batch's)"
+    )
 
 
 def _choose(candidates: Sequence[FitCandidate]) -> FitCandidate | None:
