@@ -81,6 +81,7 @@ from remat.core.chain_simulate import simulate
 from remat.core.units import format_bytes
 from remat.execute.chain import apply
 from remat.levers import (
+    MicroBatcher,
     Precision,
     batch_size,
     magnitude_prune,
@@ -476,14 +477,15 @@ class Workbench:
 
         def step_loss(m: nn.Module, batch: Any) -> torch.Tensor:
             stats.clear()
-            n = batch_size(batch)
-            parts = split_batch(batch, lever.microbatches) if lever.microbatches > 1 else [batch]
-            for part in parts[:-1]:
+            batcher = MicroBatcher(lever.microbatches, loss_fn)
+            parts = batcher.split(batch)
+            weights = batcher.weights(parts)  # (examples: the workloads' losses are such means)
+            for part, w in zip(parts[:-1], weights, strict=False):
                 with context(batch):
-                    loss = loss_fn(_Call(m), part) * (batch_size(part) / n)
+                    loss = loss_fn(_Call(m), part) * w
                 loss.backward()
             with context(batch):
-                loss = loss_fn(_Call(m), parts[-1]) * (batch_size(parts[-1]) / n)
+                loss = loss_fn(_Call(m), parts[-1]) * weights[-1]
             return loss
 
         return step_loss
