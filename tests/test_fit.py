@@ -490,3 +490,25 @@ def test_a_mean_over_something_else_is_refused_before_microbatching() -> None:
     setup = fit(model, x, "1GiB", _mse, microbatches=[2], precisions=["fp32"], measure=False,
                 progress=False)  # fmt: skip
     assert setup.weighting == "examples"
+
+
+def test_a_summed_loss_is_found_and_weighted_as_a_sum() -> None:
+    # weighted as a mean (1/k each), a loss summed over examples gave half the gradient
+    model = _mlp(width=16, layers=2, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, dtype=torch.float64)
+
+    def summed(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().sum()
+
+    setup = fit(model, x, "1GiB", summed, microbatches=[2], precisions=["fp32"], measure=False,
+                progress=False)  # fmt: skip
+    assert setup.weighting == "a sum over examples"
+    setup.step(x)
+    summed(reference, x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    # a reduction given against what the model shows is refused
+    with pytest.raises(ValueError, match="reduction='mean' was given"):
+        fit(model, x, "1GiB", summed, reduction="mean", microbatches=[2], precisions=["fp32"],
+            measure=False, progress=False)  # fmt: skip

@@ -490,9 +490,11 @@ def fit(
             saves nothing (the masks add one byte per element, and are counted).
         stages: stage boundaries for models that are not cut automatically.
         reduction: ``"mean"`` or ``"sum"``: how the loss reduces over examples (microbatch
-            weights). Default: ``"mean"`` with a ``loss_fn``; without one, ``"mean"`` when the
-            model returns a ``.loss`` and ``"sum"`` when the default loss sums the output.
-        count: ``count(microbatch)`` items a mean loss averages over (see ``MicroBatcher``).
+            weights). Default: found on the model where the setup has microbatches
+            (:func:`remat.levers.loss_weighting`: a mean over examples, over the labels other
+            than -100, shifted or not, or a sum); one given is checked against it.
+        count: ``count(microbatch)`` items a mean loss averages over (see ``MicroBatcher``);
+            given, it is used as it is.
         precision_factors: step-time factor of each 16-bit precision against fp32; default:
             measured once.
         measure: measure one whole step of the chosen setup (and re-plan if it exceeds).
@@ -551,7 +553,7 @@ def fit(
                 "and the least-memory plan",
                 detail,
             )
-        setup = search.build(chosen, budget_bytes, reserve, candidates, loss_fn, reduction, count)
+        setup = search.build(chosen, budget_bytes, reserve, candidates, reduction, count)
         if not measure:
             break
         measured = _measure_step(setup, batch, optimizer)
@@ -818,7 +820,6 @@ class _Search:
         budget: int,
         reserve: int,
         candidates: Sequence[FitCandidate],
-        user_loss: LossFn | None,
         reduction: str | None,
         count: Callable[[Any], Any] | None,
     ) -> FitSetup:
@@ -828,15 +829,21 @@ class _Search:
         k = chosen.microbatches
         example = self.example(k)
         precision = Precision(compute=PRECISIONS[chosen.precision])
-        if reduction is None:
-            reduction = "mean" if user_loss is not None or k == 1 else self._probe_reduction()
-        weighting = "examples" if reduction == "mean" else "none (a summed loss)"
         if count is not None:
-            weighting = "count="
-        elif k > 1 and reduction == "mean":
-            # a mean over tokens (padding, -100 labels) weighted by examples trains another
-            # model: which one the loss is, found on the model
-            weighting, count = loss_weighting(self.model, self.batch, self.loss_fn)
+            weighting, reduction = "count=", "mean"
+        elif k == 1:
+            weighting, reduction = "examples", reduction or "mean"
+        else:
+            # a mean over tokens (padding, -100 labels), or a sum, weighted as a mean over
+            # examples trains another model: which one the loss is, found on the model
+            weighting, found, count = loss_weighting(self.model, self.batch, self.loss_fn)
+            if reduction not in (None, found):
+                raise ValueError(
+                    f"reduction={reduction!r} was given, but on the model the loss is weighted "
+                    f"by {weighting} ({found!r}): microbatches weighted as given would not "
+                    "sum to the batch's gradient"
+                )
+            reduction = found
         norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         if k > 1 and norms:
             warnings.warn(_batch_norm_note(norms, chosen.microbatch_size, self.n, k), stacklevel=3)
@@ -899,14 +906,6 @@ class _Search:
             batch_norms=norms,
             _state=state,
         )
-
-    def _probe_reduction(self) -> str:
-        """``"mean"`` when the model returns a ``.loss`` (Hugging Face), else ``"sum"`` (the
-        default loss sums the output). One no-grad forward on one example; state restored."""
-        one = _example_microbatch(self.batch, self.n)
-        with _preserved(self.model), torch.no_grad():
-            out = _call(self.model, one)
-        return "mean" if isinstance(getattr(out, "loss", None), torch.Tensor) else "sum"
 
 
 def _batch_norm_note(norms: int, size: int, n: int, k: int) -> str:
@@ -1148,14 +1147,6 @@ def _model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple,
     stops), so the plan's signature is the one its chain was captured at."""
 
     return _model_arguments(model, loss_fn, batch)
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, tuple | list):
-        return model(*batch)
-    return model(batch)
 
 
 def _short(text: str, width: int) -> str:

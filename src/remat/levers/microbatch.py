@@ -190,10 +190,11 @@ def valid_labels(shift: bool = False) -> Callable[[Any], torch.Tensor]:
 
 def loss_weighting(
     model: nn.Module, batch: Any, loss_fn: LossFn | None = None
-) -> tuple[str, Callable[[Any], Any] | None]:
-    """What a mean-reduced loss averages over, found on the model: ``(what, count)`` for
-    :class:`MicroBatcher`, the first of examples (``count=None``), :func:`valid_labels` and
-    ``valid_labels(shift=True)`` whose microbatch weights give back the gradient of the whole.
+) -> tuple[str, str, Callable[[Any], Any] | None]:
+    """How a loss reduces over a batch, found on the model: ``(what, reduction, count)`` for
+    :class:`MicroBatcher`, the first of a mean over examples (``"mean"``, ``count=None``), over
+    the labels other than -100 (:func:`valid_labels`, and ``valid_labels(shift=True)``) and a
+    sum (``"sum"``) whose microbatch weights give back the gradient of the whole.
 
     The probe is the batch's first two examples, each its own microbatch; where the batch holds
     token-level ``"labels"`` (an integer tensor of two or more dims), the first example keeps
@@ -210,13 +211,16 @@ def loss_weighting(
 
     Raises:
         ValueError: no rule gives the whole batch's gradient: microbatches would train another
-            model than the batch; pass ``count=`` (or ``reduction="sum"``) or one microbatch.
+            model than the batch; pass ``count=`` or one microbatch.
     """
     if batch_size(batch) < 2:
-        return "examples", None
+        return "examples", "mean", None
     pair = tree_map_only(torch.Tensor, lambda t: t.clone() if t.dim() > 0 else t,
                          _take(batch, [2, batch_size(batch) - 2], 0))  # fmt: skip
-    rules: list[tuple[str, Callable[[Any], Any] | None]] = [("examples", None)]
+    rules: list[tuple[str, str, Callable[[Any], Any] | None]] = [
+        ("examples", "mean", None),
+        ("a sum over examples", "sum", None),
+    ]
     labels = pair.get("labels") if isinstance(pair, Mapping) else None
     if (
         isinstance(labels, torch.Tensor)
@@ -230,29 +234,29 @@ def loss_weighting(
         labels[0] = IGNORE_INDEX
         labels[0, :2] = 0
         rules += [
-            ("labels other than -100", valid_labels()),
-            ("labels other than -100, each row's first left out (a causal LM's shift)",
+            ("labels other than -100", "mean", valid_labels()),
+            ("labels other than -100, each row's first left out (a causal LM's shift)", "mean",
              valid_labels(shift=True)),
         ]  # fmt: skip
     try:
         whole, parts = _probe(model, pair, loss_fn)
     except Exception:  # noqa: BLE001 - a loss that cannot take -100 labels has no such labels
-        if len(rules) == 1:
+        if len(rules) == 2:
             raise
-        pair, rules = _take(batch, [2, batch_size(batch) - 2], 0), rules[:1]
+        pair, rules = _take(batch, [2, batch_size(batch) - 2], 0), rules[:2]
         whole, parts = _probe(model, pair, loss_fn)
     halves = split_batch(pair, 2)
     scale = float(whole.norm()) or 1.0
-    for what, count in rules:
-        weights = MicroBatcher(2, loss_fn, count=count).weights(halves)
+    for what, reduction, count in rules:
+        weights = MicroBatcher(2, loss_fn, reduction, count).weights(halves)
         mixed = sum(w * g for w, g in zip(weights, parts, strict=True))
         if float((mixed - whole).norm()) <= 1e-3 * scale:
-            return what, count
+            return what, reduction, count
     raise ValueError(
-        "microbatching: the loss is a mean, but not over examples, nor over labels other than "
-        f"{IGNORE_INDEX}: the summed microbatch gradients would not be the batch's. Pass "
-        "count=(microbatch -> the number of items the loss averages over), or "
-        "reduction='sum' for a summed loss, or microbatches=[1]"
+        "microbatching: the loss is neither a mean over examples or over labels other than "
+        f"{IGNORE_INDEX}, nor a sum over examples: the summed microbatch gradients would not be "
+        "the batch's. Pass count=(microbatch -> the number of items a mean loss averages "
+        "over), or microbatches=[1]"
     )
 
 
