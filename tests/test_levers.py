@@ -39,6 +39,7 @@ from remat.levers import (
     sparse_storage_bytes,
     split_batch,
     split_sizes,
+    valid_labels,
 )
 from remat.levers import offload as offload_module
 from remat.measure.events import unique_storage_bytes
@@ -463,6 +464,16 @@ def test_sum_reduced_loss_and_token_counts():
     wrong.zero_grad()
     accumulate_step(wrong, batch, 4)
     assert not torch.allclose(wrong.head.weight.grad, ref.head.weight.grad)
+    # a microbatch whose labels are all -100 counts nothing: not run (its mean over nothing is
+    # NaN, which the returned loss summed), and the rest still give the batch's gradient
+    labels[:4] = -100
+    ref.zero_grad()
+    want = ref(**batch)["loss"]
+    want.backward()
+    model.zero_grad()
+    loss = accumulate_step(model, batch, 2, count=valid_labels())
+    assert torch.isfinite(loss) and torch.isclose(loss, want.float(), rtol=1e-6)
+    assert_grads_close(grads(model), grads(ref), rtol=1e-12, atol=1e-14)
 
 
 def test_optimizer_step_equals_the_full_batch_step():

@@ -142,11 +142,15 @@ class MicroBatcher:
         (``set_to_none=True``). Returns the full-batch loss (``sum_i w_i loss_i``), detached.
         """
         microbatches = self.split(batch)
-        weights = self.weights(microbatches)
+        # a microbatch that counts nothing (every label -100) adds nothing to the gradient,
+        # and its loss is a mean over nothing, NaN: it is not run
+        parts = [
+            (mb, w) for mb, w in zip(microbatches, self.weights(microbatches), strict=True) if w
+        ]
         no_sync = getattr(model, "no_sync", None)
         total: torch.Tensor | None = None
-        last = len(microbatches) - 1
-        for i, (mb, w) in enumerate(zip(microbatches, weights, strict=True)):
+        last = len(parts) - 1
+        for i, (mb, w) in enumerate(parts):
             ctx = self.forward_context() if self.forward_context else contextlib.nullcontext()
             with ctx:
                 loss = compute_loss(model, mb, self.loss_fn)
