@@ -241,7 +241,7 @@ def test_make_setup_runs_a_chosen_combination_with_compressed_activations() -> N
     reference = copy.deepcopy(model)
     plan = Plan.from_checkpoints(4, [2])
     setup = make_setup(model, batch, plan, Precision(saved="bf16"), microbatches=4, loss_fn=_mse)
-    assert setup.precision_name == "fp32+saved-bf16"
+    assert setup.precision_name == "fp32+saved-bf16" and setup.weighting == "examples"
     setup.step(batch)
     _mse(reference, batch).backward()
     for p, q in _pairs(model, reference):
@@ -455,6 +455,18 @@ def test_a_mean_over_tokens_is_weighted_by_its_labels_under_microbatches(causal:
     want = reference(**batch)
     want.backward()
     torch.testing.assert_close(loss, want.detach().float(), rtol=1e-6, atol=0)  # (float32)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_make_setup_weights_a_mean_over_tokens_as_fit_does() -> None:
+    model = _TokenModel(causal=True).double()
+    reference = copy.deepcopy(model)
+    batch = _padded_tokens()
+    setup = make_setup(model, batch, Plan.none(), microbatches=4, loss_fn=lambda m, b: m(**b))
+    assert "a causal LM's shift" in setup.weighting
+    setup.step(batch)
+    reference(**batch).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
 

@@ -583,13 +583,15 @@ def make_setup(
     microbatches: int = 1,
     loss_fn: LossFn | None = None,
     *,
-    reduction: str = "mean",
+    reduction: str | None = None,
     count: Callable[[Any], Any] | None = None,
     stages: Sequence[str] | None = None,
 ) -> FitSetup:
     """A :class:`FitSetup` for a combination you choose (no search, no prediction): ``plan``
     made for the microbatch shape, any :class:`remat.levers.Precision` (compressed saved
-    activations included), ``microbatches`` per step. The prediction fields are zero."""
+    activations included), ``microbatches`` per step. The prediction fields are zero. The
+    microbatch weights are found on the model as :func:`fit` finds them (``reduction`` and
+    ``count`` as there)."""
 
     precision = precision if precision is not None else Precision()
     if not isinstance(precision, Precision):
@@ -599,6 +601,7 @@ def make_setup(
     size = _batch_size(example)
     device_type = _device_type(model)
     loss_fn = loss_fn or _default_loss()
+    weighting, reduction, count = _weighting(model, batch, loss_fn, microbatches, reduction, count)
     inputs = _model_inputs(model, loss_fn, example)
     planned = apply(model, plan, stages=stages, example=inputs, replan=_same_plan(plan, size))
     state = _StepState(
@@ -633,6 +636,7 @@ def make_setup(
         gradient_bytes=0,
         batch_bytes=_storage_bytes(_tensors(batch)),
         activation_peak_bytes=0,
+        weighting=weighting,
         _state=state,
     )
 
@@ -829,21 +833,9 @@ class _Search:
         k = chosen.microbatches
         example = self.example(k)
         precision = Precision(compute=PRECISIONS[chosen.precision])
-        if count is not None:
-            weighting, reduction = "count=", "mean"
-        elif k == 1:
-            weighting, reduction = "examples", reduction or "mean"
-        else:
-            # a mean over tokens (padding, -100 labels), or a sum, weighted as a mean over
-            # examples trains another model: which one the loss is, found on the model
-            weighting, found, count = loss_weighting(self.model, self.batch, self.loss_fn)
-            if reduction not in (None, found):
-                raise ValueError(
-                    f"reduction={reduction!r} was given, but on the model the loss is weighted "
-                    f"by {weighting} ({found!r}): microbatches weighted as given would not "
-                    "sum to the batch's gradient"
-                )
-            reduction = found
+        weighting, reduction, count = _weighting(
+            self.model, self.batch, self.loss_fn, k, reduction, count
+        )
         norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         if k > 1 and norms:
             warnings.warn(_batch_norm_note(norms, chosen.microbatch_size, self.n, k), stacklevel=3)
@@ -906,6 +898,32 @@ class _Search:
             batch_norms=norms,
             _state=state,
         )
+
+
+def _weighting(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    k: int,
+    reduction: str | None,
+    count: Callable[[Any], Any] | None,
+) -> tuple[str, str, Callable[[Any], Any] | None]:
+    """``(what, reduction, count)`` a step of ``k`` microbatches weights each loss by: ``count``
+    where given; else found on the model (:func:`remat.levers.loss_weighting`: a mean over
+    tokens, padding or -100 labels, or a sum, weighted as a mean over examples trains another
+    model), a ``reduction`` given checked against it."""
+    if count is not None:
+        return "count=", "mean", count
+    if k == 1:
+        return "examples", reduction or "mean", None
+    what, found, count = loss_weighting(model, batch, loss_fn)
+    if reduction not in (None, found):
+        raise ValueError(
+            f"reduction={reduction!r} was given, but on the model the loss is weighted by "
+            f"{what} ({found!r}): microbatches weighted as given would not sum to the batch's "
+            "gradient"
+        )
+    return what, found, count
 
 
 def _batch_norm_note(norms: int, size: int, n: int, k: int) -> str:
