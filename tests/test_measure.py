@@ -51,7 +51,8 @@ def test_interleaved_times_shape() -> None:
     times = interleaved_times(
         {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
     )
-    assert calls == ["a", "b"] + ["a", "b"] * 3
+    # the rounds alternate their order: each step first as often as last (counterbalanced)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert len(times["a"]) == 3 and median_ratio(times, "a", "a") == 1.0
 
 
