@@ -804,3 +804,16 @@ def test_prunable_parameters_include_hugging_face_conv1d():
     assert any(n.endswith("attn.c_attn.weight") for n in names)
     assert any(n.endswith("mlp.c_fc.weight") for n in names)
     assert not any(n.endswith(".bias") for n in names)
+
+
+def test_loss_weighting_puts_each_modules_mode_back():
+    # fine-tuning keeps a frozen part in eval mode (its batch norm on its running statistics):
+    # the probe runs the model in eval and must not turn that part to training after it
+    from remat.levers import loss_weighting
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)).train()
+    model[1].eval()
+    x = torch.randn(6, 8)
+    assert loss_weighting(model, x, lambda m, b: m(b).square().mean())[:2] == ("examples", "mean")
+    assert model.training and model[0].training and not model[1].training

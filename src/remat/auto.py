@@ -1062,9 +1062,8 @@ def _auto(
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
     def build(plan: Plan) -> nn.Module:
-        with autocast_regions(
-            called
-        ):  # (the step state it is planned for: autocast as the step runs it)
+        # (the step state it is planned for: autocast as the step runs it)
+        with autocast_regions(called):
             return apply(
                 model,
                 plan,

@@ -204,13 +204,13 @@ def loss_weighting(
     token-level ``"labels"`` (an integer tensor of two or more dims), the first example keeps
     two labels (the rest :data:`IGNORE_INDEX`) and the second all of them, so that the two hold
     unequal counts (on a batch without padding every rule agrees, and disagrees on the next
-    padded batch). Each
-    gradient is reduced to its dot products with the parameters and with ones, per parameter,
+    padded batch). Each gradient is reduced to its dot products with the parameters and with
+    ones, per parameter,
     and a rule holds where the weighted sum of the two examples' matches the pair's within
     1e-3 (float32's rounding is about 1e-6; a wrong weight, 10 % or more on a padded pair). A
     loss on its value alone does not tell them apart: at initialisation every token's loss is
     about log(vocabulary). The model runs in eval mode (dropout off, batch norm on its running
-    statistics: the examples independent) under no autocast; its gradients, mode and RNG are
+    statistics: the examples independent); its gradients, each module's mode and the RNG are
     put back.
 
     Raises:
@@ -268,10 +268,11 @@ def _probe(
     model: nn.Module, pair: Any, loss_fn: LossFn | None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """:func:`_projected_gradient` of ``pair`` and of each of its two examples, in eval mode;
-    the model's gradients, mode and RNG put back."""
+    the model's gradients, each module's mode (a frozen part kept in eval stays so) and the RNG
+    put back."""
     params = [p for p in model.parameters() if p.requires_grad]
     held = [p.grad for p in params]
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
         with torch.random.fork_rng(devices=[]):
@@ -280,7 +281,8 @@ def _probe(
                 for b in (pair, *split_batch(pair, 2))
             )
     finally:
-        model.train(training)
+        for m, training in modes:
+            m.training = training
         for p, g in zip(params, held, strict=True):
             p.grad = g
     return whole, parts
