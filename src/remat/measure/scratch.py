@@ -73,10 +73,13 @@ _NO_SCRATCH = frozenset(
         "aten::cat",
         "aten::stack",
         "aten::embedding",
+        "aten::fill_.Scalar",
+        "aten::fill_.Tensor",
     }
 )
 """Ops not probed: matrix products (BLAS and cuBLAS keep their workspace outside the step, or
-allocate none: GPT-2's CPU step has no scratch) and copies. The largest ops of a transformer:
+allocate none: GPT-2's CPU step has no scratch), copies and fills (the capture's gradients of
+ones, laid out as their outputs). The largest ops of a transformer:
 probing them would hold their inputs and outputs once more while planning."""
 
 _WORKSPACE_READERS = ("rnn", "lstm", "gru")
