@@ -496,8 +496,7 @@ def test_shares_parameters_and_state_dict():
     planned = apply(model, Plan.every_stage())
     assert planned.model is model
     assert {id(p) for p in planned.parameters()} == {id(p) for p in model.parameters()}
-    keys = set(planned.state_dict())
-    assert keys == {f"model.{k}" for k in model.state_dict()}
+    assert list(planned.state_dict()) == list(model.state_dict())  # the model's own keys
     assert planned.fc is model.fc  # attribute access falls through to the model
     assert "every-stage" in repr(planned)
     with pytest.raises(TypeError, match="already has a plan"):

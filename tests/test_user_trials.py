@@ -712,6 +712,9 @@ def test_eval_and_no_grad_after_auto_run_plainly_on_any_batch() -> None:
 
 
 def test_state_dict_round_trip() -> None:
+    """The planned model's state_dict is the model's, keys and all (NOTE [ The model's
+    state_dict keys ] in remat.execute.chain): it loads into the plain model and back, and a
+    state_dict saved with the wrapper's "model." prefix (before) still loads."""
     x = torch.randn(512, 128)
     _, budget = _binding(_mlp, x)
     planned, _ = _auto(_mlp(), x, budget=budget)
@@ -722,17 +725,64 @@ def test_state_dict_round_trip() -> None:
     torch.save(planned.state_dict(), saved)
     saved.seek(0)
     state = torch.load(saved)
-    assert all(k.startswith("model.") for k in state)  # a wrapper's keys, as documented
+    assert list(state) == list(planned.model.state_dict())
     other, _ = _auto(_mlp(seed=5), x, budget=budget)
     other.load_state_dict(state)
     plain = _mlp(seed=5)
-    plain.load_state_dict(planned.model.state_dict())
-    for m in (planned, other, plain):
+    plain.load_state_dict(state)
+    prefixed, _ = _auto(_mlp(seed=6), x, budget=budget)
+    prefixed.load_state_dict({f"model.{k}": v for k, v in state.items()})
+    for m in (planned, other, plain, prefixed):
         m(x).sum().backward()
     _assert_same_grads(other, planned, rtol=0)
+    _assert_same_grads(prefixed, planned, rtol=0)
     _assert_same_grads(plain, planned)
     other.zero_grad(set_to_none=True)
     assert _peak(other, lambda m: m(x).sum(), x) <= budget
+    with pytest.raises(RuntimeError, match='Unexpected key.*"extra"'):
+        other.load_state_dict({**state, "extra": torch.zeros(1)})
+
+
+def test_state_dict_inside_a_parent_and_of_a_model_with_a_model_submodule() -> None:
+    """A planned model held by another module saves and loads under the parent's name for it,
+    as the plain model would; a model whose own submodule is called ``model`` (Llama's) keeps
+    its keys, and its keys saved with the wrapper's prefix load too."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.model = _mlp(seed=seed)
+            self.head = nn.Linear(10, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.model(x))
+
+    class Parent(nn.Module):
+        def __init__(self, backbone: nn.Module) -> None:
+            super().__init__()
+            self.backbone = backbone
+            self.norm = nn.LayerNorm(2)
+
+    x = torch.randn(512, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned = remat.apply(Wrapper(0), remat.Plan.every_stage(), stages=["model", "head"])
+    plain_state = Wrapper(0).state_dict()
+    assert list(planned.state_dict()) == list(plain_state)  # model.0.weight, ..., head.bias
+    source = Wrapper(3)
+    planned.load_state_dict(source.state_dict())
+    planned.load_state_dict({f"model.{k}": v for k, v in source.state_dict().items()})
+    for a, b in zip(planned.model.state_dict().values(), source.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    parent = Parent(planned)
+    assert list(parent.state_dict()) == list(Parent(Wrapper(0)).state_dict())
+    twin = Parent(Wrapper(1))
+    twin.load_state_dict(parent.state_dict())
+    back = Parent(remat.apply(Wrapper(2), remat.Plan.every_stage(), stages=["model", "head"]))
+    back.load_state_dict(twin.state_dict())
+    for a, b in zip(back.state_dict().values(), parent.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(back.backbone(x), planned(x))
 
 
 def test_pickling_the_planned_module() -> None:

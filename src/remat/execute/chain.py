@@ -35,6 +35,8 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
+import inspect
 import logging
 import time
 import types
@@ -1301,13 +1303,74 @@ def _outside_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     return module.forward(*args, **kwargs)
 
 
+def _drop_model_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict
+) -> None:
+    """``state_dict``'s keys under ``prefix + "model."`` moved to ``prefix`` (NOTE [ The model's
+    state_dict keys ]), in order; its ``_metadata`` too, the model's own in the wrapper's place."""
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            moved = prefix[:-1] if key == inner[:-1] else prefix + key[len(inner) :]
+            metadata[moved] = metadata.pop(key)
+
+
+def _add_model_prefix(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict,
+    *_: Any,
+) -> None:
+    """The model's keys in ``state_dict`` under ``prefix`` moved under ``prefix + "model."``,
+    where the wrapper's loading finds them (NOTE [ The model's state_dict keys ]). Other keys
+    stay: saved with the prefix, they load as before; unknown, the error names them as given."""
+    own = module._modules["model"].state_dict(keep_vars=True).keys()
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key[len(prefix) :] in own:
+            state_dict[prefix + "model." + key[len(prefix) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == prefix[:-1] or k.startswith(prefix)]:
+            name = "" if key == prefix[:-1] else "." + key[len(prefix) :]
+            metadata.setdefault(prefix + "model" + name, metadata[key])
+
+
 class PlannedWrapper(nn.Module):
     """What the chain and graph planned modules (:class:`PlannedModule`,
     :class:`remat.execute.graph.GraphPlannedModule`) share: ``_plans``, what runs per input
-    signature (:class:`SignaturePlans`), and attributes the wrapper lacks fall through to the
-    model, its submodule ``.model``."""
+    signature (:class:`SignaturePlans`), attributes the wrapper lacks fall through to the
+    model, its submodule ``.model``, and the model's ``state_dict`` keys and forward signature
+    (NOTE [ The model's state_dict keys ], NOTE [ The model's forward signature ])."""
 
     _plans: SignaturePlans
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        # NOTE [ The model's forward signature ]: libraries read which arguments a model takes
+        # from inspect.signature(model.forward). Hugging Face's Trainer keeps only the batch's
+        # columns named there, and with the wrapper's (*args, **kwargs) it dropped input_ids and
+        # attention_mask ("The batch received was empty"). So forward is the wrapper's, bound,
+        # with the model's signature (an instance attribute, as torch.compile's wrapper has one).
+        # NOTE [ The model's state_dict keys ]: the wrapper's state_dict is the model's, keys
+        # and all, and it loads the model's, so a checkpoint moves between the planned model
+        # and the plain one. With the submodule's "model." prefix (as DDP's "module.",
+        # torch.compile's "_orig_mod."), Hugging Face's Trainer saved a planned BERT's weights
+        # under keys from_pretrained did not know, which then started the model afresh with a
+        # warning. Keys with the prefix (saved so before) still load.
+        self.register_state_dict_post_hook(_drop_model_prefix)
+        self.register_load_state_dict_pre_hook(_add_model_prefix)
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # (a forward inspect cannot read: the wrapper's stays)
+            return
+        forward = functools.partial(type(self).forward, self)
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        self.forward = forward
 
     @property
     def signature(self) -> tuple | None:
@@ -1327,8 +1390,8 @@ class PlannedModule(PlannedWrapper):
     """A model that trains under a remat plan; made by :func:`apply`.
 
     It shares the original model's parameters and buffers: the model is its submodule
-    ``.model``, so ``state_dict()`` keys are the model's prefixed with ``"model."`` (like any
-    wrapper); ``planned.model.state_dict()`` has the original keys. Calling it equals calling
+    ``.model``, and its ``state_dict()`` and forward's signature are the model's
+    (:class:`PlannedWrapper`). Calling it equals calling
     the model; the plan is used only in training mode with grad enabled. Each call first
     checks that the model still holds the submodules its stages run (see :meth:`_follow_model`).
     """
@@ -1344,8 +1407,7 @@ class PlannedModule(PlannedWrapper):
         compile: Mapping[str, Any] | None = None,
         one_graph: bool | None = None,
     ) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         # Stage modules are the model's own modules (or parameter-less wrappers around them):
         # kept out of the module tree so that parameters and state_dict are the model's only.
         object.__setattr__(self, "_stages", stages)

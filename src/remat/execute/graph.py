@@ -175,8 +175,7 @@ class GraphPlannedModule(PlannedWrapper):
         fake_trace: bool,
         replan: Callable[..., tuple[Plan, Graph]] | None = None,
     ) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         object.__setattr__(self, "_fake_trace", fake_trace)
         plans = SignaturePlans(
             _Planned(plan, graph, None),
