@@ -1339,6 +1339,18 @@ def _add_model_prefix(
             metadata.setdefault(prefix + "model" + name, metadata[key])
 
 
+def _forward_signature(model: nn.Module) -> inspect.Signature:
+    """The signature of ``model.forward``; for a PEFT model (LoRA), whose forward takes
+    ``(*args, **kwargs)`` and passes them on, its base model's, as Hugging Face's Trainer reads
+    it (NOTE [ The model's forward signature ])."""
+    signature = inspect.signature(model.forward)
+    kinds = {p.kind for p in signature.parameters.values()}
+    base = getattr(model, "get_base_model", None)
+    if kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and callable(base):
+        return inspect.signature(base().forward)
+    return signature
+
+
 class PlannedWrapper(nn.Module):
     """What the chain and graph planned modules (:class:`PlannedModule`,
     :class:`remat.execute.graph.GraphPlannedModule`) share: ``_plans``, what runs per input
@@ -1365,7 +1377,7 @@ class PlannedWrapper(nn.Module):
         self.register_state_dict_post_hook(_drop_model_prefix)
         self.register_load_state_dict_pre_hook(_add_model_prefix)
         try:
-            signature = inspect.signature(model.forward)
+            signature = _forward_signature(model)
         except (TypeError, ValueError):  # (a forward inspect cannot read: the wrapper's stays)
             return
         forward = functools.partial(type(self).forward, self)
