@@ -345,6 +345,30 @@ def test_hf_own_gradient_checkpointing_is_refused_everywhere(hf, make):
     apply_graph(model, remat.graphs.Plan.none(), graph)
 
 
+@pytest.mark.parametrize("name", ["resnet18", "convnext_atto", "vit_tiny_patch16_224"])
+def test_timm_own_gradient_checkpointing_is_refused(name):
+    """timm's ``set_grad_checkpointing()`` (its training script's ``--grad-checkpointing``) is
+    refused as Hugging Face's is; before, the graph capture crashed with "the timed step made 91
+    torch calls, the recorded one 99", which did not say why. Off again, the model plans."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    kwargs = {"img_size": 32} if name.startswith("vit") else {}
+    model = timm.create_model(name, num_classes=4, **kwargs)
+    x = torch.randn(2, 3, 32, 32)
+    model.set_grad_checkpointing(True)
+    match = r"own \(timm\).*set_grad_checkpointing\(False\); remat plans the checkpointing"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not a chain, planning its graph" fallback
+        with pytest.raises(UnsupportedModelError, match=match):
+            remat.auto(model, x, budget="1GiB")
+    with pytest.raises(UnsupportedModelError, match=match):
+        apply(model, Plan.none())
+    model.set_grad_checkpointing(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.auto(model, x, budget="1GiB")
+
+
 def _resnet10() -> nn.Module:
     from torchvision.models.resnet import BasicBlock, ResNet
 

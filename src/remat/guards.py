@@ -76,22 +76,33 @@ def check_not_wrapped(model: nn.Module, what: str = "remat") -> None:
 
 
 def check_no_own_checkpointing(model: nn.Module) -> None:
-    """Refuse a model with Hugging Face's own gradient checkpointing enabled (any submodule with
-    ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()`` sets).
+    """Refuse a model with its library's own gradient checkpointing enabled: Hugging Face's (any
+    submodule with ``gradient_checkpointing=True``, what ``model.gradient_checkpointing_enable()``
+    sets) or timm's (``grad_checkpointing=True``, what ``model.set_grad_checkpointing()`` sets).
 
     Called by every entry point that plans or runs a model (chain capture and
     :func:`~remat.capture.stages.split_stages`, :func:`remat.apply`, :func:`remat.auto`, the graph
     path's ``trace_graph`` and ``apply_graph``): its checkpoints would run inside remat's plan,
-    so the memory and time remat predicts would not be what runs.
+    so the memory and time remat predicts would not be what runs (timm's made the graph
+    capture's timed step differ from its recorded one, a crash that did not say why).
     """
     for name, module in model.named_modules():
-        if getattr(module, "gradient_checkpointing", False) is True:
-            where = f"its submodule {name!r}" if name else "it"
-            raise UnsupportedModelError(
-                f"this {type(model).__name__} has its own (Hugging Face) gradient checkpointing "
-                f"enabled ({where} has gradient_checkpointing=True): disable it with "
-                "model.gradient_checkpointing_disable(); remat plans the checkpointing itself"
-            )
+        for attribute, library, off in _OWN_CHECKPOINTING:
+            if getattr(module, attribute, False) is True:
+                where = f"its submodule {name!r}" if name else "it"
+                raise UnsupportedModelError(
+                    f"this {type(model).__name__} has its own ({library}) gradient "
+                    f"checkpointing enabled ({where} has {attribute}=True): disable it with "
+                    f"{off}; remat plans the checkpointing itself"
+                )
+
+
+_OWN_CHECKPOINTING = (
+    ("gradient_checkpointing", "Hugging Face", "model.gradient_checkpointing_disable()"),
+    ("grad_checkpointing", "timm", "model.set_grad_checkpointing(False)"),
+)
+"""The attribute a library's gradient checkpointing sets on a module, the library and what
+turns it off (:func:`check_no_own_checkpointing`)."""
 
 
 class InPlaceInputError(UnsupportedModelError):
