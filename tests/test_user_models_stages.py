@@ -369,6 +369,33 @@ def test_timm_own_gradient_checkpointing_is_refused(name):
         remat.auto(model, x, budget="1GiB")
 
 
+def test_a_forward_that_checkpoints_its_own_layers_is_refused_saying_so():
+    """A user's forward that runs torch.utils.checkpoint over its blocks: remat.auto raised a
+    private error, "the timed step made 35 torch calls, the recorded one 42: the model's forward
+    is not deterministic in its calls". Now an UnsupportedModelError says the forward
+    checkpoints part of itself and what to do."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(4)
+            )
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + checkpoint(block, x, use_reentrant=False)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(UnsupportedModelError, match="forward checkpoints part of itself"):
+            remat.auto(Net(), torch.randn(64, 32), budget="50%")
+
+
 def _resnet10() -> nn.Module:
     from torchvision.models.resnet import BasicBlock, ResNet
 

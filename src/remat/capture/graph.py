@@ -113,6 +113,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.capture.chain import draws_random, unhooked_saves
+from remat.core.errors import UnsupportedModelError
 from remat.core.graph import Constant, Graph, Node
 from remat.guards import BatchCopy, BufferSnapshot, check_no_own_checkpointing
 from remat.guards import tensor_version as _version
@@ -362,8 +363,40 @@ def _trace_levels(
                 # executor runs are the later ones, so record one of those
                 replay()
                 state = _record(model, private.restore(), loss_fn, costs, flops=False)
-                _time_calls(model, private, loss_fn, state, repeats, replay)
+                try:
+                    _time_calls(model, private, loss_fn, state, repeats, replay)
+                except _CallsChanged as err:
+                    replay()
+                    raise _not_repeatable(model, private, loss_fn, err) from err
     return {level: _build(state, level, "s") for level in levels}
+
+
+_OWN_CHECKPOINT = "remat: the model's forward checkpoints part of itself"
+
+
+def _not_repeatable(
+    model: nn.Module, batch: BatchCopy, loss_fn: LossFn, err: _CallsChanged
+) -> UnsupportedModelError:
+    """The error for a step whose torch calls changed from one run to the next, saying why
+    where it can: a forward that runs ``torch.utils.checkpoint`` itself (found by running it
+    once more with saved-tensor hooks forbidden, which torch's non-reentrant checkpoint uses;
+    its recomputation in the backward made the recorded step differ from the timed one)."""
+    try:
+        with torch.autograd.graph.disable_saved_tensors_hooks(_OWN_CHECKPOINT):
+            loss_fn(model, batch.restore())
+    except RuntimeError as probe:
+        if _OWN_CHECKPOINT in str(probe):
+            return UnsupportedModelError(
+                f"{type(model).__name__}'s forward checkpoints part of itself "
+                "(torch.utils.checkpoint, or a library's gradient checkpointing): remat cannot "
+                "plan around checkpoints it does not make. Call the layers directly (or turn "
+                "that option off); remat plans the checkpointing itself"
+            )
+    return UnsupportedModelError(
+        f"{err}, so remat cannot plan it: a forward that recomputes part of itself "
+        "(reentrant torch.utils.checkpoint), or that branches on random numbers or on "
+        "values, runs other calls each step"
+    )
 
 
 # ---------------------------------------------------------------------- recording
