@@ -1346,7 +1346,9 @@ def _forward_signature(model: nn.Module) -> inspect.Signature:
     signature = inspect.signature(model.forward)
     kinds = {p.kind for p in signature.parameters.values()}
     base = getattr(model, "get_base_model", None)
-    if kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and callable(base):
+    if kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and callable(
+        base
+    ):
         return inspect.signature(base().forward)
     return signature
 
