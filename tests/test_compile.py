@@ -133,13 +133,13 @@ def assert_one_graph_per_stage_at_most(planned: Any) -> None:
     assert breaks == 0 and graphs <= planned.stages.n, (graphs, breaks, planned.stages.n)
 
 
-@pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
+@pytest.mark.parametrize("partitioner", [AUTO.PARTITIONER_TRIALS, ()])
 def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget(
     partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # PARTITIONER_TRIALS (0.5, 0.2, 0.1), the default: storing everything as one graph measured
-    # over 70 %, the same at the partitioner's budget 0.5 fits and runs (torch.compile's own
-    # point, NOTE [ The partitioner's budget ]); none: remat's own recomputation runs
+    # PARTITIONER_TRIALS, the default: storing everything as one graph measured
+    # over 70 %, the same at the partitioner's budget 0.7 fits and runs (its first trial below
+    # 1, NOTE [ The partitioner's budget ]); none: remat's own recomputation runs
     monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", partitioner)
     model = mlp()
     reference = copy.deepcopy(model)
@@ -160,9 +160,9 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         assert partitioner_budget(planned.plan) is None
     else:
         assert not any(True for _ in planned.plan.walk())
-        assert partitioner_budget(planned.plan) == 0.5
+        assert partitioner_budget(planned.plan) == 0.7
         assert summary.compiled_note.startswith("one graph after: [1-8]: ")
-        assert "activation_memory_budget=0.5" in str(summary)
+        assert "activation_memory_budget=0.7" in str(summary)
     # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
     # one inductor graph within it, and runs
     assert summary.compiled == "one-graph", summary.compiled_note
@@ -535,7 +535,7 @@ def test_a_copy_of_a_compiled_planned_module_trains_its_own_modules(
         assert twin._executor._around.spec.model is twin.model
 
 
-@pytest.mark.parametrize("partitioner", [(0.5, 0.2, 0.1), ()])
+@pytest.mark.parametrize("partitioner", [AUTO.PARTITIONER_TRIALS, ()])
 def test_gpt2_compiled_within_budget_and_replanned_for_a_new_batch_size(
     partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1521,14 +1521,22 @@ def test_fit_one_graph_measures_torchs_own_partition_where_the_exact_knapsack_do
     from remat.execute.chain import describe_compiled, partitioner_solver
 
     store_all = AUTO._store_all_trials(4)
+    # highest budget first; torch's DP only at torch.compile's own points
     assert [(partitioner_budget(p), partitioner_solver(p)) for p in store_all] == [
         (None, "ilp"),
-        *((k, s) for k in AUTO.PARTITIONER_TRIALS for s in ("ilp", "dp")),
+        (0.7, "ilp"),
+        (0.5, "ilp"),
+        (0.5, "dp"),
+        (0.2, "ilp"),
+        (0.2, "dp"),
+        (0.15, "ilp"),
+        (0.1, "ilp"),
+        (0.1, "dp"),
     ]
-    assert AUTO.PARTITIONER_TRIALS == (0.5, 0.2, 0.1)
-    step = {(None, "ilp"): 300_000, (0.5, "ilp"): 200_000, (0.5, "dp"): 190_000}
-    step |= {(0.2, "ilp"): 150_000, (0.2, "dp"): 140_000, (0.1, "ilp"): 100_512}
-    step[(0.1, "dp")] = 100_000
+    step = {(None, "ilp"): 300_000, (0.7, "ilp"): 250_000}
+    step |= {(0.5, "ilp"): 200_000, (0.5, "dp"): 190_000}
+    step |= {(0.2, "ilp"): 150_000, (0.2, "dp"): 140_000, (0.15, "ilp"): 135_000}
+    step |= {(0.1, "ilp"): 100_512, (0.1, "dp"): 100_000}
     measured: list[tuple[float | None, str]] = []
 
     def measure(p: remat.Plan) -> int:
@@ -1550,12 +1558,19 @@ def test_fit_one_graph_measures_torchs_own_partition_where_the_exact_knapsack_do
         )
 
     got = fit(100_000)  # torch.compile@0.1's peak: the exact set is 512 B over, the DP's fits
-    assert measured[-2:] == [(0.1, "ilp"), (0.1, "dp")] and len(measured) == 7
+    assert measured[-2:] == [(0.1, "ilp"), (0.1, "dp")] and len(measured) == 9
     assert got.one_graph and partitioner_solver(got.plan) == "dp"
     assert "at partitioner budget 0.1 (solver dp)" in describe_compiled(got.plan)
     assert "[1-4] at partitioner budget 0.1: 100,512 B" in got.note
     got = fit(200_000)  # the exact set fits at 0.5: the DP's is not measured
-    assert measured == [(None, "ilp"), (0.5, "ilp")] and partitioner_solver(got.plan) == "ilp"
+    assert measured == [(None, "ilp"), (0.7, "ilp"), (0.5, "ilp")]
+    assert partitioner_solver(got.plan) == "ilp" and partitioner_budget(got.plan) == 0.5
+    got = fit(130_000)  # 0.15 is no point of torch.compile's: no DP there, 0.1's next
+    assert measured[-3:] == [(0.2, "dp"), (0.15, "ilp"), (0.1, "ilp")]
+    got = fit(145_000)  # between torch.compile's points, the highest budget that fits runs
+    assert partitioner_budget(got.plan) == 0.2 and partitioner_solver(got.plan) == "dp"
+    got = fit(137_000)
+    assert partitioner_budget(got.plan) == 0.15 and partitioner_solver(got.plan) == "ilp"
 
 
 def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly_or_by_torchs_dp(

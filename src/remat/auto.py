@@ -1401,14 +1401,21 @@ class _StepModel:
 ONE_GRAPH_TRIALS = 3
 """How many plans :func:`auto` (``compile=``) measures as one compiled graph before it runs a
 graph per stage (NOTE [ One compiled graph ] in remat.execute.chain)."""
-PARTITIONER_TRIALS: tuple[float, ...] = (0.5, 0.2, 0.1)
+PARTITIONER_TRIALS: tuple[float, ...] = (0.7, 0.5, 0.2, 0.15, 0.1)
 """The partitioner budgets (torch's ``activation_memory_budget``) :func:`auto` (``compile=``)
-measures the store-all one graph at, in turn, after storing all at torch's setting and before
-any plan that recomputes stages (NOTE [ The partitioner's budget ] in remat.execute.chain),
-each with the knapsack solved exactly and then, where that does not fit, by torch's DP;
-empty: none tried (remat's plans only). The knob is not monotone in bytes, so each is measured:
-torch.compile's least peak was at 0.5 on GPT-2 and the MLP chain, at 0.1 on Llama and
-DenseNet-121 (docs/results/compile)."""
+measures the store-all one graph at, in turn, highest first (a higher budget recomputes less),
+after storing all at torch's setting and before any plan that recomputes stages (NOTE [ The
+partitioner's budget ] in remat.execute.chain), each with the knapsack solved exactly and, at
+those of :data:`PARTITIONER_DP_TRIALS` where that does not fit, by torch's DP; empty: none tried
+(remat's plans only). The knob is not monotone in bytes, so each is measured: torch.compile's
+least peak was at 0.5 on GPT-2 and the MLP chain, at 0.1 on Llama and DenseNet-121. Budgets
+between torch.compile's points reach partitions it does not: on DenseNet-121 the exact set at
+0.7 ran in 0.945 of torch.compile@1's time with 69 MiB less, at 0.15 in 0.972 of
+torch.compile@0.2's within its memory (docs/results/compile, session 29)."""
+PARTITIONER_DP_TRIALS: frozenset[float] = frozenset({0.5, 0.2, 0.1})
+"""The budgets of :data:`PARTITIONER_TRIALS` at which torch's DP's partition is measured where
+the exact one does not fit: torch.compile's own points (the DP is its solver), so that remat
+reaches the memory of each; elsewhere the exact set is the partitioner's best at that budget."""
 CANDIDATE_BUDGETS = 12
 """Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
 when lowering the budget by what the graph measured over gives no new plan."""
@@ -1550,13 +1557,14 @@ def _store_all_trials(chain: Chain | int) -> list[Plan]:
 
 def _partitioner_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
-    knapsack solved exactly and then (measured only where the exact one does not fit: the trials
-    are first-fit) by torch's DP, torch.compile's own partition (NOTE [ The partitioner's
-    budget ]; the ops that draw random numbers stay saved)."""
+    knapsack solved exactly and then, at :data:`PARTITIONER_DP_TRIALS` (measured only where the
+    exact one does not fit: the trials are first-fit), by torch's DP, torch.compile's own
+    partition (NOTE [ The partitioner's budget ]; the ops that draw random numbers stay saved)."""
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)
         for k in PARTITIONER_TRIALS
         for solver in PARTITIONER_SOLVERS
+        if solver == PARTITIONER_SOLVERS[0] or k in PARTITIONER_DP_TRIALS
     ]
 
 
