@@ -1435,10 +1435,10 @@ def test_auto_keeps_the_random_numbers_saved_at_the_partitioners_budgets(
 ) -> None:
     # pytorch/pytorch#190758: below budget 1 the partitioner may recompute dropout in the
     # backward with a fresh mask, and the gradients are silently wrong. remat.auto measures
-    # torch's own points (the store-all graph at 0.5, 0.2, 0.1) before its own plans, with the
-    # random ops kept saved: at every budget the gradient is the gradient of the loss the step
-    # computed (float64, a directional difference; compiled code draws other masks than eager,
-    # so eager's gradients are no reference here)
+    # the partitioner's points (the store-all graph at PARTITIONER_TRIALS) before its own plans,
+    # with the random ops kept saved: at every budget the gradient is the gradient of the loss
+    # the step computed (float64, a directional difference; compiled code draws other masks
+    # than eager, so eager's gradients are no reference here)
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (nn.Linear(64, 64), nn.Dropout(0.3), nn.GELU())]
     model = nn.Sequential(*layers, nn.Linear(64, 64)).double()
