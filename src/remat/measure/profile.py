@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +74,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from remat.core.errors import UnsupportedModelError
 from remat.core.schema import read_schema
 from remat.core.units import format_bytes
 from remat.guards import BatchCopy
@@ -440,6 +441,22 @@ _FIXED_TAGS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefT
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes)
 
 
+def _unmeasurable(t: torch.Tensor, modules: Sequence[str]) -> str:
+    """Why a step that makes ``t``, a tensor not in the strided layout, cannot be measured
+    (inside ``modules``, the tracker's modules running then)."""
+    where = [
+        m for m in modules if m != "Global" and not any(o.startswith(f"{m}.") for o in modules)
+    ]
+    inside = f" (inside {', '.join(where)})" if where else ""
+    return (
+        f"the step makes a tensor of layout {t.layout}{inside}, which remat cannot measure: its "
+        "memory tracker counts tensors by their storage, and a sparse tensor has none. A sparse "
+        "gradient comes from nn.Embedding or nn.EmbeddingBag with sparse=True (or "
+        "F.embedding(..., sparse=True)): use sparse=False, a dense gradient, which remat "
+        "measures and plans for"
+    )
+
+
 class StepTracker(MemTracker):
     """``MemTracker`` that also keeps remat's measures, sampled after every operation:
 
@@ -561,6 +578,13 @@ class StepTracker(MemTracker):
         return {self._name(k): (v[0], v[1]) for k, v in self._module_peaks.items()}
 
     # -- MemTracker overrides
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        # MemTracker counts a tensor by its storage, and a sparse tensor has none (it raised
+        # torch's "Cannot access storage of SparseTensorImpl" from inside the backward)
+        if t.layout is not torch.strided:
+            raise UnsupportedModelError(_unmeasurable(t, sorted(self._mod_tracker.parents)))
+        super()._track(reftype, t)
+
     def _track_module_params_and_buffers(
         self, module: nn.Module, install_grad_hooks: bool = True
     ) -> tuple[int, int]:

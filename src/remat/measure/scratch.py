@@ -193,6 +193,8 @@ class ScratchProbe(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:
             return 0  # a question about the tensors (device, sizes), no kernel
+        if any(t.layout is not torch.strided for t in (*tensors, *outs)):
+            return 0  # (sparse: no storage to copy; the step tracker refuses it, saying why)
         if sum(_nbytes(t) for t in (*tensors, *outs)) > PROBE_MAX_BYTES or not _runnable(
             tensors[0].device
         ):
