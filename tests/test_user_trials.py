@@ -1044,3 +1044,27 @@ def test_a_sparse_gradient_is_refused_saying_which_module_and_what_to_do(entry: 
     message = str(info.value)
     assert "torch.sparse_coo" in message and "use sparse=False" in message, message
     assert f".{name})" in message, message
+
+
+class _LossInForward(nn.Module):
+    """Hugging Face's way (ALBERT, BERT): the forward makes its ``CrossEntropyLoss()`` anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss()(self.body(x), labels)
+
+
+def test_a_module_made_in_the_forward_leaves_no_tracker_warning() -> None:
+    # the loss module is gone by the backward; torch's MemTracker warned "Module is None.
+    # Skipping PRE_BW hook." to the user of remat.auto and remat.profile
+    batch = {"x": torch.randn(256, 16), "labels": torch.randint(0, 5, (256,))}
+    model = _LossInForward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remat.profile(model, batch, loss_fn=lambda m, b: m(**b))
+        remat.auto(model, batch, budget=None, loss_fn=lambda m, b: m(**b))
+    shown = [str(w.message) for w in caught]
+    assert not [m for m in shown if "Module is None" in m], shown

@@ -585,6 +585,17 @@ class StepTracker(MemTracker):
             raise UnsupportedModelError(_unmeasurable(t, sorted(self._mod_tracker.parents)))
         super()._track(reftype, t)
 
+    def _pre_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+        # a module gone before the backward (one a forward makes and drops) has nothing left
+        # to attribute: MemTracker's warning ("Module is None. Skipping PRE_BW hook.") reached
+        # the user of remat.auto on Hugging Face's ALBERT
+        if module is not None:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+        if module is not None:
+            super()._post_bw_hook(module, args)
+
     def _track_module_params_and_buffers(
         self, module: nn.Module, install_grad_hooks: bool = True
     ) -> tuple[int, int]:
