@@ -30,6 +30,8 @@ fixed in the library:
   cache kept a checkpointed segment's 16-bit weight copies through the forward;
 * a sparse gradient (``nn.EmbeddingBag(sparse=True)``) crashed every entry point with torch's
   "Cannot access storage of SparseTensorImpl"; it is refused saying which module and what to do;
+* a forward that makes its loss module (``nn.CrossEntropyLoss()``, as ALBERT's and BERT's do)
+  showed torch's tracker warning "Module is None. Skipping PRE_BW hook." to the user;
 * planning a timm ResNet-18-D printed HiGHS's debug line
   ("HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();") on stdout
   (tests/test_quiet.py).
