@@ -7,6 +7,7 @@ results (docs/results/compile) are inductor's. No timing is asserted: a ratio is
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -28,6 +29,11 @@ def test_quick_compile_bench_writes_every_point(
 ) -> None:
     monkeypatch.setattr(compile_suite, "BACKEND", "aot_eager_decomp_partition")
     monkeypatch.setenv("REMAT_BENCH_REPEATS", "3")  # (31 by default: a result, not a test)
+    # (remat.auto's store-all trials, tested in test_compile, at torch.compile's own points
+    # only: this test is about the points the bench writes, and it saves CI half a minute)
+    monkeypatch.setattr(
+        importlib.import_module("remat.auto"), "PARTITIONER_TRIALS", (0.5, 0.2, 0.1)
+    )
     out = tmp_path / "compile"
     assert main(["bench", "compile", "--quick", "--models", "mlp-chain", "--out", str(out)]) == 0
     rows = json.loads((out / "compile.json").read_text())
