@@ -540,10 +540,10 @@ def weighted_time_least_plan(chain: Chain, weights: Sequence[int], method: str) 
     ``chain``'s simulated cost; None where every weight is 0 (unit times).
 
     Several plans reach the least activation peak, and their whole steps differ by the
-    gradients made before the peak. Unit times pick one among them blindly; the real times
-    pick the one that recomputes the cheap stages, a proxy that, like unit times, does not move
-    with timing noise, finds it too (a layer with weights multiplies, one without is
-    pointwise). On an MLP of Linear and GELU stages its step peaks 5,693,208 B, one layer's
+    gradients made before the peak. Unit times pick one among them blindly. The measured times
+    pick the one that recomputes the cheap stages; so do these weighted times (a layer with
+    weights multiplies, one without is pointwise), which, like unit times, do not move with
+    timing noise. On an MLP of Linear and GELU stages its step peaks 5,693,208 B, one layer's
     gradient below the unit-time plan's 5,956,376 B: remat named the latter as its minimum,
     and accepted budgets below it only where the measured times happened to pick the other."""
     top = max(weights, default=0)
