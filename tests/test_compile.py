@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import re
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -1574,6 +1575,131 @@ def test_fit_one_graph_measures_torchs_own_partition_where_the_exact_knapsack_do
     assert partitioner_budget(got.plan) == 0.2 and partitioner_solver(got.plan) == "dp"
     got = fit(137_000)
     assert partitioner_budget(got.plan) == 0.15 and partitioner_solver(got.plan) == "ilp"
+
+
+def test_fit_one_graph_times_the_first_store_all_graph_that_fits_against_the_next() -> None:
+    # the partitioner's order is its own estimate; the exact set at a lower budget can run
+    # faster than torch's DP at a higher one (DenseNet-121: 0.15 exact in 0.972 of
+    # torch.compile@0.2's time, within its memory): with a timer, the LOOK_AHEAD store-all
+    # trials after the first that fits are measured too, those that fit timed against it, and
+    # the fastest runs
+    from remat.execute.chain import describe_compiled, partitioner_solver
+
+    assert AUTO.LOOK_AHEAD == 1
+    store_all = AUTO._store_all_trials(4)
+    step = {(None, "ilp"): 300_000, (0.7, "ilp"): 250_000}
+    step |= {(0.5, "ilp"): 200_000, (0.5, "dp"): 190_000}
+    step |= {(0.2, "ilp"): 150_000, (0.2, "dp"): 140_000, (0.15, "ilp"): 135_000}
+    step |= {(0.1, "ilp"): 100_512, (0.1, "dp"): 100_000}
+    seconds = {key: 1.0 for key in step}
+    measured: list[tuple[float | None, str]] = []
+    timed: list[list[tuple[float | None, str]]] = []
+
+    def key(p: remat.Plan) -> tuple[float | None, str]:
+        return partitioner_budget(p), partitioner_solver(p)
+
+    def measure(p: remat.Plan) -> int:
+        measured.append(key(p))
+        return step[measured[-1]]
+
+    def timer(plans: Sequence[remat.Plan]) -> list[float]:
+        timed.append([key(p) for p in plans])
+        return [seconds[key(p)] for p in plans]
+
+    def fit(total: int) -> Any:
+        measured.clear()
+        timed.clear()
+        recompute = remat.Plan.from_chain_segments((ChainSegment(1, 2, True), ChainSegment(3, 4)))
+        return _fit_one_graph(
+            recompute,
+            total,
+            lambda b: recompute,
+            lambda p: 10**9,
+            lambda p: 0,
+            measure,
+            whole=lambda p, m: m,
+            store_all=store_all,
+            timed=timer,
+        )
+
+    # torch.compile@0.2's peak: its own partition fits, and the exact one at 0.15 next
+    seconds[(0.15, "ilp")] = 0.97
+    got = fit(145_000)
+    assert measured[-2:] == [(0.2, "dp"), (0.15, "ilp")] and len(measured) == 7
+    assert timed == [[(0.2, "dp"), (0.15, "ilp")]]
+    assert got.one_graph and key(got.plan) == (0.15, "ilp") and got.predicted == 135_000
+    assert "timed" in got.note and "at partitioner budget 0.15: 970.0 ms" in got.note
+    assert describe_compiled(got.plan) in got.note
+    # the first one faster: it runs
+    seconds[(0.15, "ilp")] = 1.03
+    got = fit(145_000)
+    assert key(got.plan) == (0.2, "dp") and len(measured) == 7
+    # the last trial the only one that fits: nothing to time
+    got = fit(100_000)
+    assert key(got.plan) == (0.1, "dp") and timed == [] and "timed" not in got.note
+    # where the exact set fits, torch's DP at the same budget is not measured: the look-ahead
+    # is the next budget's
+    got = fit(200_000)
+    assert measured == [(None, "ilp"), (0.7, "ilp"), (0.5, "ilp"), (0.2, "ilp")]
+    assert timed == [[(0.5, "ilp"), (0.2, "ilp")]]
+    # the trial after the first fit is over (a budget is not monotone in bytes): no other
+    # trial is measured, nothing timed
+    step[(0.1, "ilp")] = 138_000
+    got = fit(137_000)
+    assert measured[-2:] == [(0.15, "ilp"), (0.1, "ilp")] and timed == []
+    assert key(got.plan) == (0.15, "ilp") and "timed" not in got.note
+    # without a timer the first that fits runs, as measured before
+    recompute = remat.Plan.from_chain_segments((ChainSegment(1, 2, True), ChainSegment(3, 4)))
+    measured.clear()
+    got = _fit_one_graph(
+        recompute,
+        145_000,
+        lambda b: recompute,
+        lambda p: 10**9,
+        lambda p: 0,
+        measure,
+        whole=lambda p, m: m,
+        store_all=store_all,
+    )
+    assert measured[-1] == (0.2, "dp") and key(got.plan) == (0.2, "dp")
+
+
+def test_auto_times_the_store_all_graph_that_fits_against_the_next_and_leaves_the_model_as_it_was() -> (
+    None
+):
+    # the first store-all one graph that fits and the trial after it (LOOK_AHEAD) both fit
+    # here: auto times the two (TIMED_STEPS steps each) and runs the faster. The timed steps
+    # are trials: batch norm's running statistics and the gradients stay as they were, and the
+    # model then trains as eager does
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(64, 64), nn.BatchNorm1d(64), nn.GELU())]
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    x = torch.randn(512, 64)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    torch._dynamo.reset()
+    planned, summary = remat.auto(
+        model, x, loss, budget="60%", compile=PARTITIONER, loop="loss-only"
+    )
+    timed = re.search(r"the fastest of the graphs that fit, timed: (.*)", summary.compiled_note)
+    assert timed, summary.compiled_note
+    times = dict(re.findall(r"(\[1-18\][^:;]*): ([\d.,]+) ms", timed.group(1)))
+    assert len(times) == 2 and all(float(t.replace(",", "")) > 0 for t in times.values())
+    ran = remat.execute.chain.describe_compiled(summary.plan)
+    assert ran in times and times[ran] == min(
+        times.values(), key=lambda t: float(t.replace(",", ""))
+    )
+    assert all(p.grad is None for p in model.parameters())
+    for b, b_ref in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(b, b_ref)  # (num_batches_tracked too: no step counted)
+    loss(planned, x).backward()
+    loss(reference, x).backward()
+    assert_eager_grads_and_statistics(model, reference)
+    peak = step_peak_bytes(step_of(planned, loss, x), model, None, x)
+    assert peak <= summary.budget_bytes
 
 
 def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly_or_by_torchs_dp(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -84,6 +85,7 @@ from remat.measure.events import (
     cuda_step_peak_bytes,
     device_library_bytes,
     garbage_collected,
+    interleaved_times,
     step_peak_bytes,
 )
 from remat.measure.profile import default_loss_fn, optimizer_costs
@@ -1033,12 +1035,19 @@ def _auto(
         base = captured_as(inputs, loss)
         new = base if same else with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
+        built: dict[str, nn.Module] = {}  # the trials measured, by describe_compiled
 
         def measure(p: Plan) -> int:
-            trial = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
+            built[describe_compiled(p)] = trial = apply(
+                model, as_one_graph(p), stages=new.stages, compile=compile
+            )
             return _one_graph_peak(
                 model, trial, loss or default_loss_fn, inputs, new.external_bytes
             )
+
+        def timed(plans: Sequence[Plan]) -> list[float]:
+            trials = [built[describe_compiled(p)] for p in plans]
+            return _one_graph_seconds(model, trials, loss or default_loss_fn, inputs)
 
         with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
             try:
@@ -1046,10 +1055,10 @@ def _auto(
             except BudgetTooSmallError as err:
                 if options is None:
                     raise
-                return step.fit_below_least(new, err, now, measure, base).plan
+                return step.fit_below_least(new, err, now, measure, base, timed).plan
         if options is None:
             return plan
-        fit = step.fit_one_graph(new, plan, total_now, now, measure, base)
+        fit = step.fit_one_graph(new, plan, total_now, now, measure, base, timed)
         if fit.one_graph:
             return fit.plan
 
@@ -1082,11 +1091,19 @@ def _auto(
             loss = loss_fn or default_loss_fn
             return _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
 
+        def timed_first(plans: Sequence[Plan]) -> list[float]:
+            ran = [trials[describe_compiled(p)] for p in plans]
+            return _one_graph_seconds(model, ran, loss_fn or default_loss_fn, batch)
+
         with _trials_shown(progress, measure_first) as measure_first:
             if refused is not None:
-                fit = step.fit_below_least(captured, refused, None, measure_first)
+                fit = step.fit_below_least(
+                    captured, refused, None, measure_first, None, timed_first
+                )
             else:
-                fit = step.fit_one_graph(captured, chosen, total, None, measure_first)
+                fit = step.fit_one_graph(
+                    captured, chosen, total, None, measure_first, None, timed_first
+                )
         ran = captured
         if not fit.one_graph:
             mixed = lambda e: captured_as(batch, loss_fn, e)  # noqa: E731
@@ -1196,6 +1213,7 @@ class _StepModel:
         now: _Trained | None,
         measure: Callable[[Plan], int],
         base: Captured | None = None,
+        timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
     ) -> _OneGraphFit:
         def plan_at(b: int) -> Plan:
             # the planner's plan, or where it nests checkpoints (one graph cannot run them)
@@ -1235,6 +1253,7 @@ class _StepModel:
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
             store_all=_store_all_trials(new.chain),
+            timed=timed,
         )
 
     def per_stage_mix(
@@ -1354,6 +1373,7 @@ class _StepModel:
         now: _Trained | None,
         measure: Callable[[Plan], int],
         base: Captured | None = None,
+        timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
     ) -> _OneGraphFit:
         """A one-graph plan for the budget the chain model refused (``refused``: its least,
         a graph per stage), or the refusal naming the least whole step of the plans tried.
@@ -1365,28 +1385,35 @@ class _StepModel:
         (NOTE [ The partitioner's budget ]) and the least-memory plans (:func:`_least_plans`,
         at most :data:`ONE_GRAPH_TRIALS`), in turn, and runs the fastest (by the chain's times)
         whose whole step (:meth:`whole`) fits: the first store-all trial that fits (storing all
-        is the chain's fastest plan: the trials after it are not measured), else the fastest
+        is the chain's fastest plan: no plan that recomputes stages is measured after it; with
+        ``timed``, the fastest of it and the :data:`LOOK_AHEAD` trials after it that fit,
+        :func:`_fastest`), else the fastest
         least plan that does. None fits: all were measured, whatever the budget (the minimum
         named does not depend on it), and the :class:`~remat.planners.BudgetTooSmallError`
         names the least of the chain's and theirs, a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        trials = _partitioner_trials(new.chain)
-        for p in trials + _least_plans(new.chain, self.method):
+        stored = after = 0  # store-all trials that fit; trials measured after the first
+        for p in _partitioner_trials(new.chain) + _least_plans(new.chain, self.method):
+            if _dp_not_needed(p, [r[0] for r in results if r[1] <= total]):
+                continue
+            if stored and (after == _look_ahead(timed) or _recomputes(p)):
+                break  # (storing all is the chain's fastest plan: no plan recomputing runs)
+            after += stored > 0
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
             results.append((p, whole, measured - self.baseline(new, p, now, base)))
-            if whole <= total and not _recomputes(p):
-                break  # (storing all is the chain's fastest plan: none after it runs)
+            stored += whole <= total and not _recomputes(p)
         shown = "; ".join(f"{describe_compiled(p)}: {w:,} B" for p, w, _ in results)
-        fitting = [r for r in results if r[1] <= total]
+        note = (
+            f"one graph below the stages' least {refused.minimum_bytes:,} B (least plans "
+            f"measured as one graph: {shown})"
+        )
+        fitting = [_OneGraphFit(as_one_graph(p), w, o, note) for p, w, o in results if w <= total]
+        if stored:
+            return _fastest([f for f in fitting if not _recomputes(f.plan)], timed)
         if fitting:
-            p, whole, over = min(fitting, key=lambda r: simulate(new.chain, r[0]).total_time)
-            note = (
-                f"one graph below the stages' least {refused.minimum_bytes:,} B (least plans "
-                f"measured as one graph: {shown})"
-            )
-            return _OneGraphFit(as_one_graph(p), whole, over, note)
+            return min(fitting, key=lambda f: simulate(new.chain, f.plan).total_time)
         minimum = min([refused.minimum_bytes, *(w for _, w, _ in results)])
         raise BudgetTooSmallError(
             total,
@@ -1416,6 +1443,16 @@ PARTITIONER_DP_TRIALS: frozenset[float] = frozenset({0.5, 0.2, 0.1})
 """The budgets of :data:`PARTITIONER_TRIALS` at which torch's DP's partition is measured where
 the exact one does not fit: torch.compile's own points (the DP is its solver), so that remat
 reaches the memory of each; elsewhere the exact set is the partitioner's best at that budget."""
+LOOK_AHEAD = 1
+"""How many store-all trials :func:`auto` (``compile=``) measures after the first that fits (in
+the order of :data:`PARTITIONER_TRIALS`); those that fit are timed against it, and the fastest
+runs. The order is the partitioner's estimate (a lower budget recomputes more), but the next
+trial can run faster: the exact knapsack's partition at a budget where torch's DP's ran before
+it (DenseNet-121: the exact set at 0.15 ran in 0.972 of torch.compile@0.2's time, within its
+memory; docs/results/compile). One more compilation at most."""
+TIMED_STEPS = 11
+"""Steps of each store-all trial :func:`auto` (``compile=``) times, interleaved
+(:data:`LOOK_AHEAD`)."""
 CANDIDATE_BUDGETS = 12
 """Budgets (evenly from the planner's least to the budget) whose plans a one-graph fit tries
 when lowering the budget by what the graph measured over gives no new plan."""
@@ -1454,6 +1491,7 @@ def _fit_one_graph(
     *,
     whole: Callable[[Plan, int], int],
     store_all: Sequence[Plan] = (),
+    timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
 ) -> _OneGraphFit:
     """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
 
@@ -1476,7 +1514,9 @@ def _fit_one_graph(
     the ``store_all`` plans (:func:`auto`: storing every stage at torch's partitioner budget,
     then at each of :data:`PARTITIONER_TRIALS`: torch.compile's own points, NOTE [ The partitioner's
     budget ]) are measured in turn before the first plan that recomputes a stage, each once
-    and not counted in the trials, and the first that fits runs. If none fits the first plan
+    and not counted in the trials, and the first that fits runs; with ``timed`` (the median
+    seconds of a step of each plan given, compiled as one graph), the :data:`LOOK_AHEAD` after
+    it are measured too, and the fastest of those that fit runs. If none fits the first plan
     runs a graph per stage, as the chain predicts it (``predicted(plan)``), and the note says
     what was measured."""
     tried: list[str] = []
@@ -1501,12 +1541,21 @@ def _fit_one_graph(
             # store everything first, then the partitioner's own recomputation (NOTE [ The
             # partitioner's budget ])
             assert total is not None
+            fits: list[_OneGraphFit] = []
+            after = 0  # trials measured after the first that fits
             for rival in (r for r in rivals if describe_compiled(r) not in seen):
+                if _dp_not_needed(rival, [f.plan for f in fits]):
+                    continue
+                if fits and after == _look_ahead(timed):
+                    break
+                after += bool(fits)
                 seen.add(describe_compiled(rival))
                 measured_rivals += 1
                 fit, _, _ = _trial(rival, total, baseline, measure, whole, tried)
                 if fit is not None:
-                    return fit
+                    fits.append(fit)
+            if fits:
+                return _fastest(fits, timed)
             rivals = []
         seen.add(describe_compiled(plan))
         fit, over, step = _trial(plan, total, baseline, measure, whole, tried)
@@ -1549,6 +1598,31 @@ def _trial(
     return None, over, step
 
 
+def _look_ahead(timed: Callable[[Sequence[Plan]], Sequence[float]] | None) -> int:
+    """How many store-all trials are measured after the first that fits: :data:`LOOK_AHEAD`
+    where they can be timed, else none."""
+    return 0 if timed is None else LOOK_AHEAD
+
+
+def _fastest(
+    fits: Sequence[_OneGraphFit], timed: Callable[[Sequence[Plan]], Sequence[float]] | None
+) -> _OneGraphFit:
+    """The fastest of ``fits`` (store-all trials that fit, in the order measured) by ``timed``
+    (the median seconds of a step of each plan), its note saying the times; the first where
+    there is one or none can be timed."""
+    if timed is None or len(fits) == 1:
+        return fits[0]
+    seconds = timed([f.plan for f in fits])
+    best = min(range(len(fits)), key=lambda i: seconds[i])
+    shown = "; ".join(
+        f"{describe_compiled(f.plan)}: {s * 1e3:,.1f} ms"
+        for f, s in zip(fits, seconds, strict=True)
+    )
+    note = f"the fastest of the graphs that fit, timed: {shown}"
+    fit = fits[best]
+    return fit._replace(note=f"{fit.note}; {note}" if fit.note else note)
+
+
 def _store_all_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plans a one-graph fit measures before recomputing stages: at torch's
     partitioner budget, then at each of :data:`PARTITIONER_TRIALS` (:func:`_partitioner_trials`)."""
@@ -1558,7 +1632,7 @@ def _store_all_trials(chain: Chain | int) -> list[Plan]:
 def _partitioner_trials(chain: Chain | int) -> list[Plan]:
     """The store-all plan at each of :data:`PARTITIONER_TRIALS`, each with the partitioner's
     knapsack solved exactly and then, at :data:`PARTITIONER_DP_TRIALS` (measured only where the
-    exact one does not fit: the trials are first-fit), by torch's DP, torch.compile's own
+    exact one does not fit: :func:`_dp_not_needed`), by torch's DP, torch.compile's own
     partition (NOTE [ The partitioner's budget ]; the ops that draw random numbers stay saved)."""
     return [
         with_partitioner_budget(Plan.none(chain), k, solver)
@@ -1566,6 +1640,17 @@ def _partitioner_trials(chain: Chain | int) -> list[Plan]:
         for solver in PARTITIONER_SOLVERS
         if solver == PARTITIONER_SOLVERS[0] or k in PARTITIONER_DP_TRIALS
     ]
+
+
+def _dp_not_needed(trial: Plan, fits: Sequence[Plan]) -> bool:
+    """Whether ``trial`` is torch's DP's partition at a partitioner budget where the exact one
+    fit (one of ``fits``): measured only where that does not (:data:`PARTITIONER_DP_TRIALS`)."""
+    knob = partitioner_budget(trial)
+    return (
+        knob is not None
+        and partitioner_solver(trial) != PARTITIONER_SOLVERS[0]
+        and any(partitioner_budget(f) == knob for f in fits)
+    )
 
 
 def _recomputes(plan: Plan) -> bool:
@@ -1603,6 +1688,39 @@ def _nested(plan: Plan) -> bool:
     return plan.depth() > 1
 
 
+@contextlib.contextmanager
+def _trial_steps(
+    model: nn.Module, loss: Callable[[nn.Module, Any], torch.Tensor], inputs: Any
+) -> Iterator[tuple[Callable[[nn.Module], Callable[[], None]], Any]]:
+    """Training steps of trials (planned modules of ``model``): ``(step_of, batch)``, where
+    ``step_of(planned)()`` runs ``loss(planned, batch)`` and its backward on a private copy of
+    ``inputs`` and sets the gradients to None. The steps draw from forked random streams; after
+    them the model's gradients and buffers (batch norm's running statistics) are as before."""
+    buffers = BufferSnapshot(model)
+    grads = {p: p.grad for p in model.parameters()}
+    private = BatchCopy(inputs)
+    devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
+
+    def step_of(planned: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            private.restore()
+            loss(planned, private.batch).backward()
+            for p in model.parameters():
+                p.grad = None
+
+        return step
+
+    try:
+        for p in grads:
+            p.grad = None
+        with torch.random.fork_rng(devices=devices), garbage_collected():
+            yield step_of, private.batch
+    finally:
+        buffers.restore()
+        for p, g in grads.items():
+            p.grad = g
+
+
 def _one_graph_peak(
     model: nn.Module,
     planned: nn.Module,
@@ -1611,35 +1729,32 @@ def _one_graph_peak(
     external_bytes: int = 0,
 ) -> int:
     """The measured peak of one training step of ``planned`` (a one-graph compiled plan: an
-    untimed first step compiles it): ``loss(planned, inputs)``, its backward, gradients set
-    to None; the allocator's events on a CPU, ``max_memory_allocated`` on CUDA. The model's
-    gradients, buffers and RNG state are put back, and it runs on a copy of ``inputs``.
-    ``external_bytes`` (:attr:`remat.capture.chain.Captured.external_bytes`: a target the loss
-    reads from its closure) is added on a CPU: allocated before the step, the step's events
-    do not show it, and the chain it is compared with counts it with its input."""
-    buffers = BufferSnapshot(model)
-    grads = {p: p.grad for p in model.parameters()}
-    private = BatchCopy(inputs)
-    devices = sorted({t.device for t in buffers.tensors if t.device.type == "cuda"}, key=str)
+    untimed first step compiles it; :func:`_trial_steps`): the allocator's events on a CPU,
+    ``max_memory_allocated`` on CUDA. ``external_bytes``
+    (:attr:`remat.capture.chain.Captured.external_bytes`: a target the loss reads from its
+    closure) is added on a CPU: allocated before the step, the step's events do not show it,
+    and the chain it is compared with counts it with its input."""
     cuda = any(p.device.type == "cuda" for p in model.parameters())
+    with _trial_steps(model, loss, inputs) as (step_of, batch):
+        if cuda:
+            return cuda_step_peak_bytes(step_of(planned))  # (the device's all: the target too)
+        return step_peak_bytes(step_of(planned), model, None, batch) + external_bytes
 
-    def step() -> None:
-        private.restore()
-        loss(planned, private.batch).backward()
-        for p in model.parameters():
-            p.grad = None
 
-    try:
-        for p in grads:
-            p.grad = None
-        with torch.random.fork_rng(devices=devices), garbage_collected():
-            if cuda:
-                return cuda_step_peak_bytes(step)  # (the device's all: the target too)
-            return step_peak_bytes(step, model, None, private.batch) + external_bytes
-    finally:
-        buffers.restore()
-        for p, g in grads.items():
-            p.grad = g
+def _one_graph_seconds(
+    model: nn.Module,
+    planned: Sequence[nn.Module],
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    inputs: Any,
+) -> list[float]:
+    """The median seconds of a training step of each of ``planned`` (trials that were measured:
+    compiled), :data:`TIMED_STEPS` steps each, interleaved (:func:`_trial_steps`,
+    :func:`remat.measure.events.interleaved_times`)."""
+    with _trial_steps(model, loss, inputs) as (step_of, _):
+        times = interleaved_times(
+            {str(i): step_of(p) for i, p in enumerate(planned)}, repeats=TIMED_STEPS
+        )
+    return [statistics.median(times[str(i)]) for i in range(len(planned))]
 
 
 @contextlib.contextmanager

@@ -986,7 +986,8 @@ absent: torch's setting (1 by default)."""
 # (:func:`with_partitioner_budget`), the executor compiles and runs its one graph with it, and
 # remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIALS:
 # the store-all plan at 0.7, 0.5, 0.2, 0.15, 0.1 in turn, before any plan that recomputes
-# stages). Only with no checkpointed segment: under remat's checkpoints the budget raised
+# stages; the first that fits timed against the trial after it where that fits too,
+# remat.auto.LOOK_AHEAD). Only with no checkpointed segment: under remat's checkpoints the budget raised
 # GPT-2's peak by 1.2-2.2 MB (docs/results/compile/knob). Below its "aggressive" min-cut the partitioner picks what to save
 # with a 0-1 knapsack (item cost: FLOPs); torch solves it by a DP over bytes quantized to 1e-4 of
 # the budget's range, remat exactly first (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2
