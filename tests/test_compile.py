@@ -1702,6 +1702,67 @@ def test_auto_times_the_store_all_graph_that_fits_against_the_next_and_leaves_th
     assert peak <= summary.budget_bytes
 
 
+def test_below_the_stages_least_the_store_all_graph_that_fits_is_timed_against_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # fit_below_least (a budget the chain refused, a compiled one graph may still meet it)
+    # measures the partitioner's trials in turn: the first store-all graph that fits and the
+    # LOOK_AHEAD after it are timed, the faster runs, and no plan that recomputes stages is
+    # measured after a fit; none fits: every trial measured, the least of them named
+    from remat.core.chain import Chain
+    from remat.execute.chain import partitioner_solver
+
+    chain = Chain(
+        fwd_time=[1.0] * 4,
+        bwd_time=[2.0] * 4,
+        out_bytes=[4] * 4,
+        saved_bytes=[8] * 4,
+        input_bytes=4,
+    )
+    new = type("Captured", (), {"chain": chain})()
+    step = object.__new__(AUTO._StepModel)
+    step.method = "optimal-time"
+    monkeypatch.setattr(AUTO._StepModel, "whole", lambda self, new, p, m, now, base=None: m)
+    monkeypatch.setattr(AUTO._StepModel, "baseline", lambda self, new, p, now, base=None: 0)
+    peaks = {(None, "ilp"): 300_000, (0.7, "ilp"): 250_000}
+    peaks |= {(0.5, "ilp"): 200_000, (0.5, "dp"): 190_000}
+    peaks |= {(0.2, "ilp"): 150_000, (0.2, "dp"): 140_000, (0.15, "ilp"): 135_000}
+    peaks |= {(0.1, "ilp"): 120_000, (0.1, "dp"): 110_000}
+    seconds = {k: 1.0 for k in peaks} | {(0.15, "ilp"): 0.97}
+    measured: list[Any] = []
+    timed: list[Any] = []
+
+    def key(p: remat.Plan) -> Any:
+        knob = partitioner_budget(p)
+        return (knob, partitioner_solver(p)) if knob is not None else p.describe()
+
+    def measure(p: remat.Plan) -> int:
+        measured.append(key(p))
+        return peaks.get(key(p), 100_000)  # (the least plans: 100,000 B)
+
+    def timer(plans: Sequence[remat.Plan]) -> list[float]:
+        timed.append([key(p) for p in plans])
+        return [seconds[key(p)] for p in plans]
+
+    def fit(total: int) -> Any:
+        measured.clear()
+        timed.clear()
+        refused = remat.BudgetTooSmallError(total, 400_000, "optimal-time", kind="whole-step")
+        return step.fit_below_least(new, refused, None, measure, None, timer)
+
+    got = fit(145_000)  # the DP's 0.2 fits first; the exact 0.15 after it is faster
+    assert measured[-2:] == [(0.2, "dp"), (0.15, "ilp")] and timed == [measured[-2:]]
+    assert got.one_graph and key(got.plan) == (0.15, "ilp") and got.predicted == 135_000
+    assert "timed" in got.note
+    seconds[(0.15, "ilp")] = 1.03
+    assert key(fit(145_000).plan) == (0.2, "dp")
+    got = fit(112_000)  # the last trial fits: the least plans, which recompute, are not measured
+    assert measured[-1] == (0.1, "dp") and key(got.plan) == (0.1, "dp") and timed == []
+    with pytest.raises(remat.BudgetTooSmallError) as info:
+        fit(90_000)  # none fits: every trial and least plan measured, the least named
+    assert info.value.minimum_bytes == 100_000 and len(measured) > len(peaks) and timed == []
+
+
 def test_a_partitioner_budget_solves_the_partitioners_knapsack_exactly_or_by_torchs_dp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
