@@ -1393,25 +1393,26 @@ class _StepModel:
         names the least of the chain's and theirs, a budget it then accepts."""
         total = refused.budget_bytes
         results = []
-        stored = after = 0  # store-all trials that fit; trials measured after the first
-        for p in _partitioner_trials(new.chain) + _least_plans(new.chain, self.method):
-            if _dp_not_needed(p, [r[0] for r in results if r[1] <= total]):
-                continue
-            if stored and (after == _look_ahead(timed) or _recomputes(p)):
-                break  # (storing all is the chain's fastest plan: no plan recomputing runs)
-            after += stored > 0
+
+        def fit_of(p: Plan) -> _OneGraphFit | None:
             measured = measure(p)
             whole = self.whole(new, p, measured, now, base)
-            results.append((p, whole, measured - self.baseline(new, p, now, base)))
-            stored += whole <= total and not _recomputes(p)
+            over = measured - self.baseline(new, p, now, base)
+            results.append((p, whole, over))
+            return _OneGraphFit(as_one_graph(p), whole, over, "") if whole <= total else None
+
+        stored = _in_turn(_partitioner_trials(new.chain), fit_of, timed)
+        if not stored:  # (storing all is the chain's fastest plan: after a fit none recomputing)
+            for p in _least_plans(new.chain, self.method):
+                fit_of(p)
         shown = "; ".join(f"{describe_compiled(p)}: {w:,} B" for p, w, _ in results)
         note = (
             f"one graph below the stages' least {refused.minimum_bytes:,} B (least plans "
             f"measured as one graph: {shown})"
         )
-        fitting = [_OneGraphFit(as_one_graph(p), w, o, note) for p, w, o in results if w <= total]
         if stored:
-            return _fastest([f for f in fitting if not _recomputes(f.plan)], timed)
+            return _fastest([f._replace(note=note) for f in stored], timed)
+        fitting = [_OneGraphFit(as_one_graph(p), w, o, note) for p, w, o in results if w <= total]
         if fitting:
             return min(fitting, key=lambda f: simulate(new.chain, f.plan).total_time)
         minimum = min([refused.minimum_bytes, *(w for _, w, _ in results)])
@@ -1542,19 +1543,16 @@ def _fit_one_graph(
             # store everything first, then the partitioner's own recomputation (NOTE [ The
             # partitioner's budget ])
             assert total is not None
-            fits: list[_OneGraphFit] = []
-            after = 0  # trials measured after the first that fits
-            for rival in (r for r in rivals if describe_compiled(r) not in seen):
-                if _dp_not_needed(rival, [f.plan for f in fits]):
-                    continue
-                if fits and after == _look_ahead(timed):
-                    break
-                after += bool(fits)
+
+            def rival_fit(rival: Plan) -> _OneGraphFit | None:
+                nonlocal measured_rivals
                 seen.add(describe_compiled(rival))
                 measured_rivals += 1
-                fit, _, _ = _trial(rival, total, baseline, measure, whole, tried)
-                if fit is not None:
-                    fits.append(fit)
+                return _trial(rival, total, baseline, measure, whole, tried)[0]
+
+            fits = _in_turn(
+                [r for r in rivals if describe_compiled(r) not in seen], rival_fit, timed
+            )
             if fits:
                 return _fastest(fits, timed)
             rivals = []
@@ -1599,10 +1597,27 @@ def _trial(
     return None, over, step
 
 
-def _look_ahead(timed: Callable[[Sequence[Plan]], Sequence[float]] | None) -> int:
-    """How many store-all trials are measured after the first that fits: :data:`LOOK_AHEAD`
-    where they can be timed, else none."""
-    return 0 if timed is None else LOOK_AHEAD
+def _in_turn(
+    trials: Sequence[Plan],
+    fit_of: Callable[[Plan], _OneGraphFit | None],
+    timed: Callable[[Sequence[Plan]], Sequence[float]] | None,
+) -> list[_OneGraphFit]:
+    """The fits of the store-all ``trials`` measured in turn (``fit_of``: a trial's fit, None
+    where it does not fit) until the first that fits and, where they can be ``timed``, the
+    :data:`LOOK_AHEAD` trials after it (:func:`_fastest` chooses among them); torch's DP is not
+    measured at a budget where the exact set fit (:func:`_dp_not_needed`)."""
+    fits: list[_OneGraphFit] = []
+    after = 0  # trials measured after the first that fits
+    for trial in trials:
+        if _dp_not_needed(trial, [f.plan for f in fits]):
+            continue
+        if fits and after == (0 if timed is None else LOOK_AHEAD):
+            break
+        after += bool(fits)
+        fit = fit_of(trial)
+        if fit is not None:
+            fits.append(fit)
+    return fits
 
 
 def _fastest(

@@ -987,10 +987,10 @@ absent: torch's setting (1 by default)."""
 # remat.auto measures such a plan like any other one-graph trial (remat.auto.PARTITIONER_TRIALS:
 # the store-all plan at 0.7, 0.5, 0.2, 0.15, 0.1 in turn, before any plan that recomputes
 # stages; the first that fits timed against the trial after it where that fits too,
-# remat.auto.LOOK_AHEAD). Only with no checkpointed segment: under remat's checkpoints the budget raised
-# GPT-2's peak by 1.2-2.2 MB (docs/results/compile/knob). Below its "aggressive" min-cut the partitioner picks what to save
-# with a 0-1 knapsack (item cost: FLOPs); torch solves it by a DP over bytes quantized to 1e-4 of
-# the budget's range, remat exactly first (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2
+# remat.auto.LOOK_AHEAD). Only with no checkpointed segment: under remat's checkpoints the
+# budget raised GPT-2's peak by 1.2-2.2 MB (docs/results/compile/knob). Below its "aggressive"
+# min-cut the partitioner picks what to save with a 0-1 knapsack (item cost: FLOPs); torch
+# solves it by a DP over bytes quantized to 1e-4 of the budget's range, remat exactly first (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2
 # and Llama-tiny the exact set ran in 0.963-1.004 of torch.compile@0.5's time (median 0.979)
 # within its memory, the DP's in 0.982-1.005 (median 0.994), in 9 paired runs
 # (docs/results/compile/knob/costs.md, solver.md). The exact set fills the knapsack closer to
