@@ -40,6 +40,7 @@ fixed in the library:
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import warnings
 from collections.abc import Callable
@@ -383,6 +384,51 @@ def test_a_loop_without_zero_grad_holds_the_budget() -> None:
         reference(x).sum().backward()
     planned(x).sum().backward()
     _assert_same_grads(planned, reference)
+
+
+@pytest.mark.parametrize("path", ["chain", "graph"])
+def test_a_replan_for_the_gradients_held_reuses_the_step_captured_for_those_inputs(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each microbatch after the first of an accumulation holds every gradient: planned again
+    # for that state, on the step already captured for the same inputs (NOTE [ A re-plan for
+    # the gradients held ]); before, captured again (compiled: the stages and every one-graph
+    # trial compiled again)
+    build = _mlp if path == "chain" else _skip
+    torch.manual_seed(1)
+    x, y = torch.randn(512, 128), torch.randint(0, 10, (512,))
+    small_x, small_y = x[:384], y[:384]  # a last, smaller batch
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    auto_module = importlib.import_module("remat.auto")
+    name = "capture" if path == "chain" else "trace_graph"
+    real, captures = getattr(auto_module, name), []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        loss = kwargs["loss_fn"] if "loss_fn" in kwargs else args[2]
+        captures.append((tuple(args[1][0][0].shape), loss.__name__))
+        return real(*args, **kwargs)
+
+    budget = (_minimum(build, (x[0::K], y[0::K]), loss_fn=loss_fn) * 6) // 5
+    model, reference = build(), build()
+    planned, _ = _auto(model, (x[0::K], y[0::K]), loss_fn=loss_fn, budget=budget)
+    monkeypatch.setattr(auto_module, name, counted)
+    for inputs in [(x, y), (small_x, small_y)]:  # each: a plan, then one for the gradients held
+        _accumulate(planned, *inputs)
+        _accumulate(reference, *inputs)
+        _assert_same_grads(planned, reference)
+        planned.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    # each step captured once: the new inputs, and the planning inputs with the loss a re-plan
+    # plans with (the output's sum: it holds back what the user's loss holds more); the graph
+    # path re-plans every call on a trace of the call itself (before: 4 captures, the steps with
+    # the gradients held captured again)
+    assert sorted(captures) == [((96, 128), "call_loss"), ((128, 128), "call_loss")]
+    assert len(planned._plans.cache) == 4  # 2 inputs x 2 states of the gradients
+    measured = step_peak_bytes(lambda: _accumulate(planned, x, y), planned, None, x)
+    assert measured <= budget, (measured, budget)
 
 
 def test_a_deepcopy_of_the_planned_model_plans_for_its_own_gradients() -> None:

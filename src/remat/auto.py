@@ -624,6 +624,12 @@ def _auto_graph(
     spec = _replan_budget(budget, total)
 
     call_args, call_kwargs, called = _model_call(model, loss_fn or default_loss_fn, batch)
+    measured: dict[tuple, _Measured] = {}  # (NOTE [ A re-plan for the gradients held ])
+
+    def traced(args: tuple, kwargs: dict) -> GraphTrace:
+        # the step of the call (args, kwargs) with call_loss, as a re-plan plans it
+        trace = lambda: trace_graph(model, (args, kwargs), call_loss, "module", **options)  # noqa: E731
+        return _measured_for(measured, model, (args, kwargs), trace).captured
 
     def measure_loss() -> tuple[int, int]:
         # (as _auto's)
@@ -631,7 +637,7 @@ def _auto_graph(
         if autocast_now() != called:
             again = trace_graph(model, batch, loss_fn=loss_fn, level="module", **options)
             user = graph_step_peak(again.graph, Plan.none(), costs_of(again))
-        proxy = trace_graph(model, (call_args, call_kwargs), call_loss, "module", **options)
+        proxy = traced(call_args, call_kwargs)
         proxy_unplanned = graph_step_peak(proxy.graph, Plan.none(), costs_of(proxy))
         return user - proxy_unplanned, proxy.graph.input_bytes
 
@@ -641,7 +647,7 @@ def _auto_graph(
         # (always the call's arguments and call_loss: the graph executor runs a graph traced
         # from the call it is given, and checks it; _auto's re-plan takes the user's loss where
         # the shapes are the planning batch's)
-        new = trace_graph(model, (args, kwargs), loss_fn=call_loss, level="module", **options)
+        new = traced(args, kwargs)
         held = margin(new.graph.input_bytes)
         if held:
             more = dataclasses.replace(new.graph, input_bytes=new.graph.input_bytes + held)
@@ -686,6 +692,55 @@ def _replan_call(
     if input_signature(*args, **kwargs) == signature:
         return batch, loss_fn, True
     return (args, kwargs), call_loss, False
+
+
+@dataclass
+class _Measured:
+    """A step :func:`auto` captured (chain path: a :class:`Captured`; graph path: a
+    :class:`GraphTrace`), and the peaks of the one-graph trials measured on it (compiled), by
+    :func:`describe_compiled`. A re-plan whose step differs from one measured before only by
+    the gradients held at its start reuses them (NOTE [ A re-plan for the gradients held ])."""
+
+    captured: Any
+    peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# NOTE [ A re-plan for the gradients held ]: a training call with every parameter gradient
+# already held (the second microbatch of gradient accumulation: Hugging Face's Trainer with
+# gradient_accumulation_steps > 1, or a loop without zero_grad(set_to_none=True)) is planned
+# again for that state (remat.execute.chain.step_state), with less room for activations. The
+# capture and the one-graph trials' peaks do not depend on it: both run their steps with the
+# gradients set aside (the capture stashes them, :func:`_trial_steps` sets them to None), and
+# the held gradients enter the plan through the step's costs (``_Trained.live``). So such a
+# re-plan reuses the capture and the peaks measured at the same inputs, parameters that train
+# and autocast regions, with the model's modules in the same mode (train or eval) and its
+# parameters of the same shapes, dtypes and devices (:func:`_measured_key`), and compiles and
+# measures only the plans not measured there. Compiled (aot_eager_decomp_partition, a tiny BERT
+# under the Trainer) the re-plan for the second microbatch captured and compiled the stages and
+# nine one-graph trials again before.
+def _measured_key(model: nn.Module, signature: tuple, trains: tuple, autocast: Any) -> tuple:
+    """What a step's capture and its one-graph peaks depend on beside the gradients held at
+    its start: the inputs' shapes, the parameters that train, the autocast regions, and the
+    model's modes and parameters' layouts."""
+    modes = tuple(m.training for m in model.modules())
+    layouts = tuple((p.shape, p.dtype, p.device) for p in model.parameters())
+    return signature, trains, autocast, modes, layouts
+
+
+def _measured_for(
+    measured: dict[tuple, _Measured],
+    model: nn.Module,
+    call: tuple[tuple, dict],
+    capture: Callable[[], Any],
+) -> _Measured:
+    """What a re-plan for the training call ``call`` (its arguments) plans on: the step
+    measured before in the same state but for the gradients held (``measured``, by
+    :func:`_measured_key`), else ``capture()``'s, kept there."""
+    _, trains, autocast = replanning_state() or step_state(model)
+    key = _measured_key(model, input_signature(*call[0], **call[1]), trains, autocast)
+    if key not in measured:
+        measured[key] = _Measured(capture())
+    return measured[key]
 
 
 def _replan_budget(budget: Any, total: int | None) -> int | float | None:
@@ -1022,6 +1077,8 @@ def _auto(
         return step.unplanned_peak(user) - step.unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
+    first = _Measured(captured)
+    measured = {_measured_key(model, signature, step_state(model)[1], called): first}
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
         def with_margin(new: Captured) -> Captured:
@@ -1032,21 +1089,30 @@ def _auto(
             return dataclasses.replace(new, chain=chain)
 
         inputs, loss, same = _replan_call(args, kwargs, signature, batch, loss_fn)
-        base = captured_as(inputs, loss)
+        # (NOTE [ A re-plan for the gradients held ])
+        seen = _measured_for(measured, model, (args, kwargs), lambda: captured_as(inputs, loss))
+        base = seen.captured
         new = base if same else with_margin(base)
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
-        built: dict[str, nn.Module] = {}  # the trials measured, by describe_compiled
+
+        built: dict[str, nn.Module] = {}  # the trials compiled, by describe_compiled
+
+        def trial_of(p: Plan) -> nn.Module:
+            name = describe_compiled(p)
+            if name not in built:
+                built[name] = apply(model, as_one_graph(p), stages=new.stages, compile=compile)
+            return built[name]
 
         def measure(p: Plan) -> int:
-            built[describe_compiled(p)] = trial = apply(
-                model, as_one_graph(p), stages=new.stages, compile=compile
-            )
-            return _one_graph_peak(
-                model, trial, loss or default_loss_fn, inputs, new.external_bytes
-            )
+            name = describe_compiled(p)
+            if name not in seen.peaks:
+                seen.peaks[name] = _one_graph_peak(
+                    model, trial_of(p), loss or default_loss_fn, inputs, new.external_bytes
+                )
+            return seen.peaks[name]
 
         def timed(plans: Sequence[Plan]) -> list[float]:
-            trials = [built[describe_compiled(p)] for p in plans]
+            trials = [trial_of(p) for p in plans]
             return _one_graph_seconds(model, trials, loss or default_loss_fn, inputs)
 
         with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
@@ -1089,7 +1155,9 @@ def _auto(
         def measure_first(p: Plan) -> int:
             trials[describe_compiled(p)] = trial = build(as_one_graph(p))
             loss = loss_fn or default_loss_fn
-            return _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
+            peak = _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
+            first.peaks[describe_compiled(p)] = peak
+            return peak
 
         def timed_first(plans: Sequence[Plan]) -> list[float]:
             ran = [trials[describe_compiled(p)] for p in plans]
