@@ -139,8 +139,10 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
     partitioner: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # PARTITIONER_TRIALS, the default: storing everything as one graph measured
-    # over 70 %, the same at the partitioner's budget 0.7 fits and runs (its first trial below
-    # 1, NOTE [ The partitioner's budget ]); none: remat's own recomputation runs
+    # over 70 %, the same at the partitioner's budget 0.7 fits (its first trial below 1, NOTE
+    # [ The partitioner's budget ]); the trial after it, 0.5, fits too, and the faster of the
+    # two, timed, runs (LOOK_AHEAD: mostly 0.7; 0.5 where it timed faster, on a busy machine);
+    # none: remat's own recomputation runs
     monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", partitioner)
     model = mlp()
     reference = copy.deepcopy(model)
@@ -161,9 +163,11 @@ def test_mlp_compiled_with_inductor_equal_gradients_within_prediction_and_budget
         assert partitioner_budget(planned.plan) is None
     else:
         assert not any(True for _ in planned.plan.walk())
-        assert partitioner_budget(planned.plan) == 0.7
+        ran = partitioner_budget(planned.plan)
+        timed = "the fastest of the graphs that fit, timed: " in summary.compiled_note
+        assert ran == 0.7 or (ran == 0.5 and timed), summary.compiled_note
         assert summary.compiled_note.startswith("one graph after: [1-8]: ")
-        assert "activation_memory_budget=0.7" in str(summary)
+        assert f"activation_memory_budget={ran}" in str(summary)
     # optimal-time's plan nests checkpoints here: the flat plan for the budget was measured as
     # one inductor graph within it, and runs
     assert summary.compiled == "one-graph", summary.compiled_note
