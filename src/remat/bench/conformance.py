@@ -687,6 +687,10 @@ class Record:
     memory_ratio: float | None = None
     time_ratio: float | None = None
     max_grad_abs_diff: float | None = None
+    compile_grad_abs_diff: float | None = None
+    """Compiled cases whose gradients missed eager's at :data:`COMPILED_GRAD_TOL`: the largest
+    difference of ``torch.compile(model)``'s own (same backend, unplanned) from eager's
+    (:func:`compiled_grads_agree`)."""
     buffers_equal: bool | None = None
     every_block_peak_bytes: int | None = None
     violations: list[str] = field(default_factory=list)
@@ -922,6 +926,36 @@ def _run_case(
                 if not torch.allclose(g, r, rtol=rtol, atol=atol):
                     record.violations.append(f"parameter {i}: gradient differs by {diff:.3g}")
         record.max_grad_abs_diff = diff
+        if compile is not None and record.violations:
+            # compiled kernels sum in another order: where remat's gradients missed eager's,
+            # the unplanned model compiled is the reference (compiled_grads_agree)
+            stage = "gradients of torch.compile(model)"
+            record.violations.clear()
+            unplanned = build(name)
+            u_loop = Loop(unplanned, shape)
+            u_params = list(unplanned.model.parameters())
+            torch._dynamo.reset()
+            u_grads, _ = _grads_and_buffers(
+                u_loop, torch.compile(u_loop.module, **compile), u_params, []
+            )
+            record.compile_grad_abs_diff = max(
+                (
+                    float((u - r).abs().max())
+                    for u, r in zip(u_grads, ref_grads, strict=True)
+                    if u is not None and r is not None
+                ),
+                default=0.0,
+            )
+            for i, (g, r, u) in enumerate(zip(grads, ref_grads, u_grads, strict=True)):
+                if (g is None) != (r is None):
+                    record.violations.append(
+                        f"parameter {i}: gradient {'missing' if g is None else 'unexpected'}"
+                    )
+                elif g is not None and not compiled_grads_agree(g, r, u):
+                    record.violations.append(
+                        f"parameter {i}: gradient differs by {float((g - r).abs().max()):.3g} "
+                        f"(torch.compile's own by {float((u - r).abs().max()):.3g})"
+                    )
         record.buffers_equal = all(
             _buffers_agree(a, b, compiled=compile is not None)
             for a, b in zip(new_buffers, ref_buffers, strict=True)
@@ -953,6 +987,24 @@ def _run_case(
         record.error = f"[{stage}] {_error_text(err)}"
     record.seconds = time.perf_counter() - start
     return record
+
+
+def compiled_grads_agree(
+    got: torch.Tensor, eager: torch.Tensor, compiled: torch.Tensor | None
+) -> bool:
+    """A compiled case's gradient ``got`` is right: within :data:`COMPILED_GRAD_TOL` of eager's,
+    or else of ``compiled`` (``torch.compile``'s own, unplanned, same backend) where that one
+    differs from eager's by at least as much (inductor's convolutions and batch norm on the CPU:
+    ResNet-10's gradients 2.8e-4 from eager's under torch.compile alone, remat's 8.9e-7 from
+    torch.compile's). A gradient further from eager's than torch.compile's own is wrong."""
+    rtol, atol = COMPILED_GRAD_TOL
+    if torch.allclose(got, eager, rtol=rtol, atol=atol):
+        return True
+    if compiled is None:
+        return False
+    return torch.allclose(got, compiled, rtol=rtol, atol=atol) and bool(
+        (got - eager).abs().max() <= (compiled - eager).abs().max() * (1 + rtol) + atol
+    )
 
 
 def _buffers_agree(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> bool:
@@ -1098,7 +1150,9 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
             [
                 f"**Compiled**: every case runs `remat.auto(..., compile={{'backend': "
                 f"'{machine['compile']}'}})`; gradients against eager's at rtol "
-                f"{COMPILED_GRAD_TOL[0]}, atol {COMPILED_GRAD_TOL[1]}.",
+                f"{COMPILED_GRAD_TOL[0]}, atol {COMPILED_GRAD_TOL[1]}, or where they miss "
+                "them, against `torch.compile(model)`'s own (same backend, unplanned) at that "
+                "tolerance and no further from eager's than those.",
                 "",
             ]
             if machine.get("compile")
@@ -1145,6 +1199,8 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], seconds: fl
             ratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}"
             timing = "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}"
             diff = "-" if r["max_grad_abs_diff"] is None else f"{r['max_grad_abs_diff']:.1e}"
+            if r.get("compile_grad_abs_diff") is not None:
+                diff += f" (torch.compile's own: {r['compile_grad_abs_diff']:.1e})"
             lines.append(
                 f"| {res['model']} | {ckpt} | {r['loop']} | {frac} | {r['status']} | "
                 f"{r['path']} | {_bytes(r['least_bytes'])} | {_bytes(r['budget_bytes'])} | "
