@@ -735,10 +735,14 @@ def _measured_for(
 ) -> _Measured:
     """What a re-plan for the training call ``call`` (its arguments) plans on: the step
     measured before in the same state but for the gradients held (``measured``, by
-    :func:`_measured_key`), else ``capture()``'s, kept there."""
+    :func:`_measured_key`), else ``capture()``'s, kept there. Only the first step and the
+    last re-plan's are kept, whatever the number of input shapes: an accumulation re-plans
+    for the gradients held right after the state it follows."""
     _, trains, autocast = replanning_state() or step_state(model)
     key = _measured_key(model, input_signature(*call[0], **call[1]), trains, autocast)
     if key not in measured:
+        for older in list(measured)[1:]:
+            del measured[older]
         measured[key] = _Measured(capture())
     return measured[key]
 
