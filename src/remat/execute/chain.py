@@ -990,9 +990,10 @@ absent: torch's setting (1 by default)."""
 # remat.auto.LOOK_AHEAD). Only with no checkpointed segment: under remat's checkpoints the
 # budget raised GPT-2's peak by 1.2-2.2 MB (docs/results/compile/knob). Below its "aggressive"
 # min-cut the partitioner picks what to save with a 0-1 knapsack (item cost: FLOPs); torch
-# solves it by a DP over bytes quantized to 1e-4 of the budget's range, remat exactly first (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2
-# and Llama-tiny the exact set ran in 0.963-1.004 of torch.compile@0.5's time (median 0.979)
-# within its memory, the DP's in 0.982-1.005 (median 0.994), in 9 paired runs
+# solves it by a DP over bytes quantized to 1e-4 of the budget's range, remat exactly first
+# (PARTITIONER_SOLVERS, SciPy's HiGHS): at 0.5 on GPT-2 and Llama-tiny the exact set ran in
+# 0.963-1.004 of torch.compile@0.5's time (median 0.979) within its memory, the DP's in
+# 0.982-1.005 (median 0.994), in 9 paired runs
 # (docs/results/compile/knob/costs.md, solver.md). The exact set fills the knapsack closer to
 # its capacity, so it can hold a little more than torch's own partition at the same budget
 # (DenseNet-121 at 0.1: 512 B more, so it missed torch.compile@0.1's peak and remat ran a slower
