@@ -928,7 +928,9 @@ def auto(
     is tried with the least-memory flat plans measured as one graph
     (:meth:`_StepModel.fit_below_least`): one graph can hold less than its stages compiled
     alone, so the minimum a refusal names is the least of the chain's and theirs (each
-    refusal and each such budget compiles and measures up to :data:`ONE_GRAPH_TRIALS` graphs).
+    refusal and each such budget compiles and measures up to :data:`ONE_GRAPH_TRIALS` graphs);
+    below those too, a graph per stage with the stages that hold less eager left eager
+    (:meth:`_StepModel.eager_where_smaller`), whose least the refusal names as well.
     Where no plan fits, each stage runs as its own compiled graph (NOTE [ One graph per stage ]
     in :mod:`remat.capture.chain`), predicted as the eager step is.
     ``summary.compiled`` says which (chain path only: a model planned as a module graph raises
@@ -1119,24 +1121,22 @@ def _auto(
             trials = [trial_of(p) for p in plans]
             return _one_graph_seconds(model, trials, loss or default_loss_fn, inputs)
 
-        with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
-            try:
-                plan, total_now = step.plan(new, spec, now)
-            except BudgetTooSmallError as err:
-                if options is None:
-                    raise
-                return step.fit_below_least(new, err, now, measure, base, timed).plan
-        if options is None:
-            return plan
-        fit = step.fit_one_graph(new, plan, total_now, now, measure, base, timed)
-        if fit.one_graph:
-            return fit.plan
-
-        def mixed(eager: Collection[int]) -> Captured:
+        def mixed(eager: Collection[int] | None) -> Captured:
             again = captured_as(inputs, loss, eager)
             return again if same else with_margin(again)
 
-        return step.per_stage_mix(new, fit, total_now, now, mixed)[1].plan
+        with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
+            try:
+                first: Plan | BudgetTooSmallError
+                first, total_now = step.plan(new, spec, now)
+            except BudgetTooSmallError as err:
+                if options is None:
+                    raise
+                first, total_now = err, err.budget_bytes
+            if options is None:
+                return first  # type: ignore[return-value]
+            _, fit = step.compiled_fit(new, first, total_now, now, measure, mixed, base, timed)
+            return fit.plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
@@ -1168,18 +1168,15 @@ def _auto(
             return _one_graph_seconds(model, ran, loss_fn or default_loss_fn, batch)
 
         with _trials_shown(progress, measure_first) as measure_first:
-            if refused is not None:
-                fit = step.fit_below_least(
-                    captured, refused, None, measure_first, None, timed_first
-                )
-            else:
-                fit = step.fit_one_graph(
-                    captured, chosen, total, None, measure_first, None, timed_first
-                )
-        ran = captured
-        if not fit.one_graph:
-            mixed = lambda e: captured_as(batch, loss_fn, e)  # noqa: E731
-            ran, fit = step.per_stage_mix(captured, fit, total, None, mixed)
+            ran, fit = step.compiled_fit(
+                captured,
+                refused or chosen,
+                total,
+                None,
+                measure_first,
+                lambda eager: captured_as(batch, loss_fn, eager),
+                timed=timed_first,
+            )
         chosen = fit.plan
         planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
@@ -1328,6 +1325,96 @@ class _StepModel:
             timed=timed,
         )
 
+    def compiled_fit(
+        self,
+        new: Captured,
+        first: Plan | BudgetTooSmallError,
+        total: int | None,
+        now: _Trained | None,
+        measure: Callable[[Plan], int],
+        captured_as: Callable[[Collection[int] | None], Captured],
+        base: Captured | None = None,
+        timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
+    ) -> tuple[Captured, _OneGraphFit]:
+        """How the step captured compiled in ``new`` runs within ``total``, from the planner's
+        ``first`` plan for it or its refusal: as one graph where one fits
+        (:meth:`fit_one_graph`, or below the stages' least :meth:`fit_below_least`), else a
+        graph per stage with the stages that pay eager left eager (:meth:`per_stage_mix`),
+        and below every compiled least with the stages that hold less eager left eager
+        (:meth:`eager_where_smaller`); with the capture the fit's plan is made for.
+        ``captured_as`` is :meth:`per_stage_mix`'s. The first plan and each re-plan of
+        :func:`auto` go this one way."""
+        if isinstance(first, BudgetTooSmallError):
+            try:
+                return new, self.fit_below_least(new, first, now, measure, base, timed)
+            except BudgetTooSmallError as err:
+                return self.eager_where_smaller(new, err, now, captured_as)
+        fit = self.fit_one_graph(new, first, total, now, measure, base, timed)
+        if fit.one_graph:
+            return new, fit
+        return self.per_stage_mix(new, fit, total, now, captured_as)
+
+    def eager_where_smaller(
+        self,
+        new: Captured,
+        refused: BudgetTooSmallError,
+        now: _Trained | None,
+        captured_as: Callable[[Collection[int] | None], Captured],
+    ) -> tuple[Captured, _OneGraphFit]:
+        """A graph per stage within the budget ``refused`` names, every compiled plan tried
+        (``refused``: :meth:`fit_below_least`'s refusal), with stages left eager where they hold
+        less so; else that refusal, naming the least of its own and the mixes'.
+
+        NOTE [ A stage eager where it holds less ]: a stage compiled can hold more than eager.
+        Inductor on the CPU: torchvision's ResNet-10 (8 x 64²), its last block saved 14.6 MB
+        compiled against 0.34 MB eager, and the compiled stages' least was 83,392,740 B where
+        its plan storing all, with some stages eager because they ran faster so, measured
+        73,931,296 B (docs/results/conformance/FINDINGS.md). A budget between was refused. So
+        below every compiled least two mixes are captured and planned at the budget, the
+        first that meets it runs: the stages that hold no more eager in each of their costs
+        (:func:`_holds_no_more`: the mix holds no more than the compiled chain at any plan),
+        then those that hold less in their costs summed (:func:`_holds_less`; the stages whose
+        eager step holds less overall, even where one transient is larger). The plan is made
+        on the mix as captured, so its prediction is measured. Three captures, only where
+        every compiled plan was refused."""
+        total = refused.budget_bytes
+        eager_captured = captured_as(None)
+        n = new.chain.n
+        mixes: list[list[int]] = []
+        for holds in (_holds_no_more, _holds_less):
+            left = [i + 1 for i in range(n) if holds(eager_captured, new, i)]
+            if left and left not in mixes:
+                mixes.append(left)
+        leasts: list[str] = []
+        minimum = refused.minimum_bytes
+        for left in mixes:
+            mixed = captured_as(left)
+            costs = self.costs(mixed, now)
+            shown = describe_compiled(with_eager_stages(Plan.none(mixed.chain), left))
+            shown = shown.removeprefix(Plan.none(mixed.chain).describe()).strip()
+            try:
+                plan = plan_for_step(mixed.chain, costs, total, self.method)
+            except BudgetTooSmallError as err:
+                minimum = min(minimum, err.minimum_bytes)
+                leasts.append(f"{shown}: {err.minimum_bytes:,} B")
+                continue
+            note = (
+                f"a graph per stage {shown}: they hold less so, and every compiled plan held "
+                f"more than the budget ({refused.detail})"
+            )
+            return mixed, _OneGraphFit(
+                with_eager_stages(plan, left), step_peak_of(mixed.chain, plan, costs), None, note
+            )
+        if not leasts:
+            raise refused
+        raise BudgetTooSmallError(
+            total,
+            minimum,
+            refused.method,
+            f"{refused.detail}; a graph per stage {'; '.join(leasts)}",
+            kind="whole-step",
+        ) from refused.__cause__ or refused  # (the stages' own refusal, as fit_below_least's)
+
     def per_stage_mix(
         self,
         new: Captured,
@@ -1368,24 +1455,12 @@ class _StepModel:
         def took(chain: Chain, stages: list[int]) -> float:
             return sum(chain.fwd_time[i] + chain.bwd_time[i] for i in stages)
 
-        def no_larger(i: int) -> bool:
-            fields = (
-                "out_bytes",
-                "saved_bytes",
-                "fwd_overhead_bytes",
-                "fwd_none_overhead_bytes",
-                "bwd_overhead_bytes",
-            )
-            return all(getattr(eager, f)[i] <= getattr(compiled, f)[i] for f in fields) and all(
-                a <= b for a, b in zip(_scratch(eager_captured, i), _scratch(new, i), strict=True)
-            )
-
         left = [
             i + 1
             for like in _alike_stages(new).values()
             if took(eager, like) < took(compiled, like)
             for i in like
-            if no_larger(i)
+            if _holds_no_more(eager_captured, new, i)
         ]
         if not left:
             return new, fit
@@ -1891,6 +1966,36 @@ def _first_capture(
     )
     options = _capture_options(model, True)
     return run(options), options
+
+
+_STAGE_BYTES = (
+    "out_bytes",
+    "saved_bytes",
+    "fwd_overhead_bytes",
+    "fwd_none_overhead_bytes",
+    "bwd_overhead_bytes",
+)
+"""The per-stage memory costs of a chain a stage's eager and compiled captures are compared on
+(with its small scratch)."""
+
+
+def _holds_no_more(eager: Captured, compiled: Captured, i: int) -> bool:
+    """Stage ``i`` (from 0) holds no more eager than compiled in any of its costs
+    (:data:`_STAGE_BYTES` and its small scratch): left eager, it raises no plan's peak."""
+    return all(
+        getattr(eager.chain, f)[i] <= getattr(compiled.chain, f)[i] for f in _STAGE_BYTES
+    ) and all(a <= b for a, b in zip(_scratch(eager, i), _scratch(compiled, i), strict=True))
+
+
+def _holds_less(eager: Captured, compiled: Captured, i: int) -> bool:
+    """Stage ``i`` (from 0) holds less eager than compiled in its costs summed
+    (:data:`_STAGE_BYTES` and its small scratch): a guess of where the eager step holds less
+    overall, which :meth:`_StepModel.eager_where_smaller` checks on the mix captured."""
+
+    def held(c: Captured) -> int:
+        return sum(getattr(c.chain, f)[i] for f in _STAGE_BYTES) + sum(_scratch(c, i))
+
+    return held(eager) < held(compiled)
 
 
 def _scratch(captured: Captured, i: int) -> tuple[int, int]:
