@@ -152,9 +152,34 @@ def test_gpt2_called_with_keyword_arguments_replans_other_lengths_and_a_mask() -
     assert results == ["fits", "fits"]
 
 
+def test_slow_replans_warn_at_the_third_input_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    # with compile=True a new shape compiles the stages and the one-graph trials again (46-203 s
+    # for a tiny GPT-2 under inductor on the CPU): where the re-plans took
+    # SLOW_REPLANNING_SECONDS, the third shape warns (two are common: an epoch's last batch);
+    # here that threshold is 0 s, and an eager re-plan stands in for a slow compiled one
+    from remat.execute import chain
+
+    monkeypatch.setattr(chain, "SLOW_REPLANNING_SECONDS", 0.0)
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 128, (2, 48))
+    planned, _ = auto(model, {"input_ids": ids, "labels": ids}, budget="60%")
+    warned = []
+    for length in [48, 40, 48, 40, 33, 21]:
+        batch = {"input_ids": ids[:, :length], "labels": ids[:, :length]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            planned(**batch).loss.backward()
+        planned.zero_grad(set_to_none=True)
+        warned += [
+            (length, str(w.message)) for w in caught if "pad them to a few" in str(w.message)
+        ]
+    assert [length for length, _ in warned] == [33], warned
+    assert "for 3 input shapes" in warned[0][1] and "compile again" in warned[0][1]
+
+
 def test_batches_padded_to_their_longest_sequence_warn_once_to_pad_to_fixed_lengths() -> None:
     # a user's loop with transformers' default collator: every batch another length, so every
-    # step re-plans (with compile=True, 13-30 s of compiling each on BERT tiny); the user is
+    # step re-plans (with compile=True, a minute or more of compiling each); the user is
     # told once, with what to do, and training stays right
     from remat.execute.chain import MANY_SIGNATURES
 

@@ -309,17 +309,20 @@ class SignaturePlans:
         return self.current
 
     def _warn_if_many(self) -> None:
-        """Warn once when :data:`MANY_SIGNATURES` input signatures were planned: batches padded
-        to their longest sequence change shape almost every step, and each new shape costs a
-        capture and a plan (with ``compile=``, compilations too)."""
+        """Warn once when :data:`MANY_SIGNATURES` input signatures were planned, or
+        :data:`SLOW_SIGNATURES` whose re-plans took :data:`SLOW_REPLANNING_SECONDS` in all:
+        batches padded to their longest sequence change shape almost every step, and each new
+        shape costs a capture and a plan (with ``compile=``, compilations too: minutes)."""
         signatures = {key[0] for key in self.cache} if self.stateful else set(self.cache)
-        if self.warned_many or len(signatures) < MANY_SIGNATURES:
+        slow = len(signatures) >= SLOW_SIGNATURES and self.replan_seconds >= SLOW_REPLANNING_SECONDS
+        if self.warned_many or (len(signatures) < MANY_SIGNATURES and not slow):
             return
         self.warned_many = True
         warnings.warn(
             f"remat has planned this model for {len(signatures)} input shapes, re-planning "
             f"{self.replan_seconds:.1f} s in all: each new input shape gets its own plan (its "
-            "memory and time depend on the shape). Batches padded to their longest sequence "
+            "memory and time depend on the shape; compiled, its graphs compile again for it). "
+            "Batches padded to their longest sequence "
             "change shape almost every step; pad them to a few fixed lengths (transformers: "
             "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), or padding='max_length') "
             "so that re-planning stops.",
@@ -330,6 +333,15 @@ class SignaturePlans:
 MANY_SIGNATURES = 8
 """After how many planned input signatures :class:`SignaturePlans` warns that re-planning for
 each new shape is being paid (once per planned module)."""
+SLOW_SIGNATURES = 3
+"""How many planned input signatures make :class:`SignaturePlans` warn as soon as their
+re-plans took :data:`SLOW_REPLANNING_SECONDS`: two shapes are common (an epoch's last, smaller
+batch), a third says the shapes vary."""
+SLOW_REPLANNING_SECONDS = 60.0
+"""Re-planning seconds after which a third input signature warns: with ``compile=True`` each
+new shape compiles its stages and up to a dozen one-graph trials, 46-203 s a shape for a tiny
+GPT-2 under inductor on the shared CPU (docs/executor.md), so :data:`MANY_SIGNATURES` shapes
+would be half an hour before the warning."""
 
 
 # ---------------------------------------------------------------------- buffers
