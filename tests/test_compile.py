@@ -1174,6 +1174,50 @@ def test_below_every_compiled_least_stages_that_hold_less_eager_run_eager(
     assert measured <= least, (measured, least)
 
 
+def test_a_replan_for_larger_inputs_measures_the_graph_that_ran_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NOTE [ The graph that ran, first ] in remat.auto: a re-plan for inputs no smaller than
+    # the last plan's measures that store-all graph first and, where it fits, runs it: one
+    # graph compiled, none timed (before: the store-all trials in turn, the first that fits
+    # timed against the next). Inputs smaller than the last plan's go through the trials.
+    # The one graphs at torch's setting and at partitioner budget 0.7 are made to measure
+    # 64 MiB more (a step that fits only with the partitioner's recomputation)
+    from torch.utils._pytree import tree_leaves
+
+    measured: list[tuple[int, float | None]] = []
+    real_peak = AUTO._one_graph_peak
+
+    def one_graph_peak(*args: Any) -> int:
+        knob = partitioner_budget(args[1].plan)
+        rows = next(t for t in tree_leaves(args[3]) if isinstance(t, torch.Tensor)).shape[0]
+        measured.append((rows, knob))
+        return real_peak(*args) + (2**26 if knob in (None, 0.7) else 0)
+
+    monkeypatch.setattr(AUTO, "_one_graph_peak", one_graph_peak)
+    model = mlp(depth=8)
+    reference = copy.deepcopy(model)
+    budget = 2**25
+    planned, summary = remat.auto(
+        model, torch.randn(128, 64), budget=budget, compile=PARTITIONER, loop="loss-only"
+    )
+    assert summary.compiled == "one-graph" and len(measured) >= 4, (measured, summary)
+    ran = AUTO.describe_compiled(planned.plan)
+    assert partitioner_budget(planned.plan) in (0.5, 0.2), ran
+    measured.clear()
+    big = torch.randn(256, 64)
+    planned(big).sum().backward()  # re-planned: the graph that ran, measured first, fits
+    assert measured == [(256, partitioner_budget(planned.plan))], measured
+    assert AUTO.describe_compiled(planned.plan) == ran
+    reference(big).sum().backward()
+    assert_equal_grads(model, reference)
+    peak = step_peak_bytes(step_of(planned, lambda m, b: m(b).sum(), big), model, None, big)
+    assert peak <= budget
+    measured.clear()
+    planned(torch.randn(192, 64)).sum().backward()  # smaller than the last: the trials in turn
+    assert len(measured) >= 4 and measured[0] == (192, None), measured
+
+
 def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -77,6 +77,7 @@ from remat.guards import (
     check_not_wrapped,
     describe_signature,
     input_signature,
+    signature_no_smaller,
 )
 from remat.measure.calibration import planning_device, time_model_for
 from remat.measure.events import (
@@ -1085,6 +1086,8 @@ def _auto(
     margin = _loss_margin(loss_fn, measure_loss)
     first = _Measured(captured)
     measured = {_measured_key(model, signature, step_state(model)[1], called): first}
+    # the plan that ran last, its inputs and step state (NOTE [ The graph that ran, first ])
+    last: list[Any] = [None, None, None]
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
         def with_margin(new: Captured) -> Captured:
@@ -1125,6 +1128,14 @@ def _auto(
             again = captured_as(inputs, loss, eager)
             return again if same else with_margin(again)
 
+        _, trains, autocast = replanning_state() or step_state(model)
+        state, sig = (now.live, trains, autocast), input_signature(*args, **kwargs)
+        ran_state, ran_sig, ran = last
+        incumbent = (
+            ran
+            if ran_state == state and ran_sig is not None and signature_no_smaller(sig, ran_sig)
+            else None
+        )
         with _for_new_inputs(args, kwargs, now.live), _trials_shown(progress, measure) as measure:
             try:
                 first: Plan | BudgetTooSmallError
@@ -1135,8 +1146,11 @@ def _auto(
                 first, total_now = err, err.budget_bytes
             if options is None:
                 return first  # type: ignore[return-value]
-            _, fit = step.compiled_fit(new, first, total_now, now, measure, mixed, base, timed)
-            return fit.plan
+            _, fit = step.compiled_fit(
+                new, first, total_now, now, measure, mixed, base, timed, incumbent
+            )
+        last[:] = [state, sig, fit.plan]
+        return fit.plan
 
     replan.plans_for_step_state = True  # type: ignore[attr-defined]
 
@@ -1178,6 +1192,7 @@ def _auto(
                 timed=timed_first,
             )
         chosen = fit.plan
+        last[:] = [(False, step_state(model)[1], called), signature, chosen]
         planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
         return planned, step.summary(ran, chosen, total, fit, fake=bool(capture_options))
@@ -1335,6 +1350,7 @@ class _StepModel:
         captured_as: Callable[[Collection[int] | None], Captured],
         base: Captured | None = None,
         timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
+        incumbent: Plan | None = None,
     ) -> tuple[Captured, _OneGraphFit]:
         """How the step captured compiled in ``new`` runs within ``total``, from the planner's
         ``first`` plan for it or its refusal: as one graph where one fits
@@ -1343,7 +1359,34 @@ class _StepModel:
         and below every compiled least with the stages that hold less eager left eager
         (:meth:`eager_where_smaller`); with the capture the fit's plan is made for.
         ``captured_as`` is :meth:`per_stage_mix`'s. The first plan and each re-plan of
-        :func:`auto` go this one way."""
+        :func:`auto` go this one way.
+
+        NOTE [ The graph that ran, first ]: with compile each new input shape compiles and
+        measures the store-all graphs at the partitioner's budgets in turn, the first that
+        fits timed against the next (:data:`LOOK_AHEAD`), then remat's plans (a tiny GPT-2
+        under inductor on the CPU: 6 graphs, 98 s, at length 48 after 32; 12 graphs, 203 s,
+        at 56). A re-plan for inputs no smaller than those of the plan that ran last (every
+        size at least, the same step state) measures that plan first where it stored every
+        stage as one graph (``incumbent``): the store-all graphs before it in turn held more at
+        the smaller inputs, or were timed slower, and a step's memory grows with its inputs.
+        Where it fits the budget it runs: one graph compiled and no timing, instead of two
+        graphs or more. Else the trials go on as they would (its peak kept), so a refusal
+        still names the least of every trial. Only which graph runs rests on that guess, never
+        the budget: the graph that runs is measured at the new inputs."""
+        if incumbent is not None and total is not None and _one_graph_store_all(incumbent):
+            plan = incumbent.made_for(new.chain)
+            tried: list[str] = []
+            fit = _trial(
+                plan,
+                total,
+                lambda p: self.baseline(new, p, now, base),
+                measure,
+                lambda p, measured: self.whole(new, p, measured, now, base),
+                tried,
+            )[0]
+            if fit is not None:
+                note = "the graph that ran at inputs no larger, measured first, fits"
+                return new, fit._replace(note=note)
         if isinstance(first, BudgetTooSmallError):
             try:
                 return new, self.fit_below_least(new, first, now, measure, base, timed)
@@ -1814,6 +1857,12 @@ def _dp_not_needed(trial: Plan, fits: Sequence[Plan]) -> bool:
         and partitioner_solver(trial) != PARTITIONER_SOLVERS[0]
         and any(partitioner_budget(f) == knob for f in fits)
     )
+
+
+def _one_graph_store_all(plan: Plan) -> bool:
+    """Whether ``plan`` runs as one compiled graph storing every stage (the partitioner's
+    recomputation inside it only)."""
+    return plan.params.get("compiled") == "one-graph" and not _recomputes(plan)
 
 
 def _recomputes(plan: Plan) -> bool:

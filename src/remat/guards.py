@@ -351,6 +351,22 @@ def _flattened_signature(args: tuple, kwargs: dict) -> tuple:
     return (str(spec), tuple(sig))
 
 
+def signature_no_smaller(new: tuple, old: tuple) -> bool:
+    """Whether the inputs of :func:`input_signature` ``new`` are those of ``old`` with no
+    dimension smaller: the same structure, dtypes, ranks and values, each size at least."""
+    if new[0] != old[0] or len(new[1]) != len(old[1]):
+        return False
+    for a, b in zip(new[1], old[1], strict=True):
+        if a[0] == "tensor" == b[0]:
+            if a[2] != b[2] or len(a[1]) != len(b[1]):
+                return False
+            if any(x < y for x, y in zip(a[1], b[1], strict=True)):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
 def describe_signature(sig: tuple) -> str:
     """:func:`input_signature` as the shapes, dtypes and values it holds, for a message."""
     parts = []
