@@ -1174,25 +1174,30 @@ def test_below_every_compiled_least_stages_that_hold_less_eager_run_eager(
     assert measured <= least, (measured, least)
 
 
+@pytest.mark.parametrize("ran", ["store-all", "recomputing"])
 def test_a_replan_for_larger_inputs_measures_the_graph_that_ran_first(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, ran: str
 ) -> None:
     # NOTE [ The graph that ran, first ] in remat.auto: a re-plan for inputs no smaller than
     # the last plan's measures that store-all graph first and, where it fits, runs it: one
     # graph compiled, none timed (before: the store-all trials in turn, the first that fits
-    # timed against the next). Inputs smaller than the last plan's go through the trials.
-    # The one graphs at torch's setting and at partitioner budget 0.7 are made to measure
-    # 64 MiB more (a step that fits only with the partitioner's recomputation)
+    # timed against the next). Where the plan that ran recomputes stages, every store-all
+    # graph held more there: none at a partitioner budget is measured again (the planner's
+    # own plan is, store-all or not). Inputs smaller than the last plan's go
+    # through the trials. The one graphs at torch's setting and at partitioner budget 0.7
+    # (or every store-all one) are made to measure 64 MiB more
     from torch.utils._pytree import tree_leaves
 
-    measured: list[tuple[int, float | None]] = []
+    measured: list[tuple[int, float | None, bool]] = []
     real_peak = AUTO._one_graph_peak
 
     def one_graph_peak(*args: Any) -> int:
-        knob = partitioner_budget(args[1].plan)
+        plan = args[1].plan
+        knob, recomputes = partitioner_budget(plan), AUTO._recomputes(plan)
         rows = next(t for t in tree_leaves(args[3]) if isinstance(t, torch.Tensor)).shape[0]
-        measured.append((rows, knob))
-        return real_peak(*args) + (2**26 if knob in (None, 0.7) else 0)
+        measured.append((rows, knob, recomputes))
+        more = not recomputes and (ran == "recomputing" or knob in (None, 0.7))
+        return real_peak(*args) + (2**26 if more else 0)
 
     monkeypatch.setattr(AUTO, "_one_graph_peak", one_graph_peak)
     model = mlp(depth=8)
@@ -1202,20 +1207,27 @@ def test_a_replan_for_larger_inputs_measures_the_graph_that_ran_first(
         model, torch.randn(128, 64), budget=budget, compile=PARTITIONER, loop="loss-only"
     )
     assert summary.compiled == "one-graph" and len(measured) >= 4, (measured, summary)
-    ran = AUTO.describe_compiled(planned.plan)
-    assert partitioner_budget(planned.plan) in (0.5, 0.2), ran
+    first = planned.plan
+    if ran == "store-all":
+        assert partitioner_budget(first) in (0.5, 0.2), AUTO.describe_compiled(first)
+    else:
+        assert AUTO._recomputes(first), AUTO.describe_compiled(first)
     measured.clear()
     big = torch.randn(256, 64)
-    planned(big).sum().backward()  # re-planned: the graph that ran, measured first, fits
-    assert measured == [(256, partitioner_budget(planned.plan))], measured
-    assert AUTO.describe_compiled(planned.plan) == ran
+    planned(big).sum().backward()  # re-planned for larger inputs
+    if ran == "store-all":  # the graph that ran, measured first, fits
+        assert measured == [(256, partitioner_budget(first), False)], measured
+        assert AUTO.describe_compiled(planned.plan) == AUTO.describe_compiled(first)
+    else:  # the planner's plans only, no store-all graph at a partitioner budget
+        assert any(recomputes for _, _, recomputes in measured), measured
+        assert all(knob is None for _, knob, _ in measured), measured
     reference(big).sum().backward()
     assert_equal_grads(model, reference)
     peak = step_peak_bytes(step_of(planned, lambda m, b: m(b).sum(), big), model, None, big)
     assert peak <= budget
     measured.clear()
     planned(torch.randn(192, 64)).sum().backward()  # smaller than the last: the trials in turn
-    assert len(measured) >= 4 and measured[0] == (192, None), measured
+    assert len(measured) >= 4 and measured[0] == (192, None, False), measured
 
 
 def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
