@@ -1086,6 +1086,23 @@ def test_auto_runs_a_stage_eager_where_its_capture_ran_faster_so(
     )
 
 
+def _mlp_auto_refused_at(
+    big: torch.Tensor,
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, Any, remat.BudgetTooSmallError]:
+    """An 8-block MLP, a copy of it, its Adam, ``auto(batch, budget)`` (``remat.auto`` compiled
+    on it with that Adam), and the refusal of a 1 B budget at ``big`` (naming the least)."""
+    model = mlp(depth=8)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def auto(batch: torch.Tensor, budget: int) -> tuple[nn.Module, Any]:
+        return remat.auto(model, batch, budget=budget, compile=PARTITIONER, optimizer=optimizer)
+
+    with pytest.raises(remat.BudgetTooSmallError) as info:
+        auto(big, 1)
+    return model, reference, optimizer, auto, info.value
+
+
 def test_below_every_compiled_least_stages_that_hold_less_eager_run_eager(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1123,23 +1140,15 @@ def test_below_every_compiled_least_stages_that_hold_less_eager_run_eager(
 
     monkeypatch.setattr(AUTO, "_one_graph_peak", one_graph_peak)
     monkeypatch.setattr(AUTO, "PARTITIONER_TRIALS", ())  # (tested elsewhere; saves CI time)
-    model = mlp(depth=8)
-    reference = copy.deepcopy(model)
     big, small = torch.randn(256, 64), torch.randn(128, 64)
-    optimizer = torch.optim.Adam(model.parameters())
-
-    def auto(batch: torch.Tensor, budget: int) -> tuple[nn.Module, Any]:
-        return remat.auto(model, batch, budget=budget, compile=PARTITIONER, optimizer=optimizer)
-
-    with pytest.raises(remat.BudgetTooSmallError) as info:
-        auto(big, 1)
-    least = info.value.minimum_bytes
+    model, reference, optimizer, auto, refused = _mlp_auto_refused_at(big)
+    least = refused.minimum_bytes
     compiled_least = int(
-        re.search(r"a graph per stage needs ([\d,]+) B", str(info.value))[1].replace(",", "")  # type: ignore[index]
+        re.search(r"a graph per stage needs ([\d,]+) B", str(refused))[1].replace(",", "")  # type: ignore[index]
     )
-    assert least < compiled_least, str(info.value)
+    assert least < compiled_least, str(refused)
     # (the Tanh stages hold no more eager either: all are left eager)
-    assert f"a graph per stage with stages 1-16 eager: {least:,} B" in str(info.value)
+    assert f"a graph per stage with stages 1-16 eager: {least:,} B" in str(refused)
 
     def step(planned: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -1239,17 +1248,9 @@ def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
     # (_fake_stage_times), run eager. Its step meets the budget with eager's gradients, and
     # the next step on that shape re-plans nothing
     captures = _fake_stage_times(monkeypatch, tanh_faster_eager=True)
-    model = mlp(depth=8)
-    reference = copy.deepcopy(model)
     big = torch.randn(256, 64)
-    optimizer = torch.optim.Adam(model.parameters())
-
-    def auto(batch: torch.Tensor, budget: int) -> tuple[nn.Module, Any]:
-        return remat.auto(model, batch, budget=budget, compile=PARTITIONER, optimizer=optimizer)
-
-    with pytest.raises(remat.BudgetTooSmallError) as info:
-        auto(big, 1)
-    least = info.value.minimum_bytes
+    model, reference, optimizer, auto, refused = _mlp_auto_refused_at(big)
+    least = refused.minimum_bytes
     planned, summary = auto(big[:128], least)
     assert summary.compiled == "one-graph" and "eager_stages" not in planned.plan.params
     captures.clear()
