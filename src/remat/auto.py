@@ -1088,6 +1088,7 @@ def _auto(
     measured = {_measured_key(model, signature, step_state(model)[1], called): first}
     # the plan that ran last, its inputs and step state (NOTE [ The graph that ran, first ])
     last: list[Any] = [None, None, None]
+    before = _GraphsBefore()  # every one graph measured, its whole step (the same NOTE)
 
     def replan(*args: Any, **kwargs: Any) -> Plan:
         def with_margin(new: Captured) -> Captured:
@@ -1105,6 +1106,7 @@ def _auto(
         now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
 
         built: dict[str, nn.Module] = {}  # the trials compiled, by describe_compiled
+        ran: list[tuple[Plan, int]] = []  # the one graphs measured, with their peaks
 
         def trial_of(p: Plan) -> nn.Module:
             name = describe_compiled(p)
@@ -1118,6 +1120,7 @@ def _auto(
                 seen.peaks[name] = _one_graph_peak(
                     model, trial_of(p), loss or default_loss_fn, inputs, new.external_bytes
                 )
+            ran.append((p, seen.peaks[name]))
             return seen.peaks[name]
 
         def timed(plans: Sequence[Plan]) -> list[float]:
@@ -1130,9 +1133,9 @@ def _auto(
 
         _, trains, autocast = replanning_state() or step_state(model)
         state, sig = (now.live, trains, autocast), input_signature(*args, **kwargs)
-        ran_state, ran_sig, ran = last
+        ran_state, ran_sig, ran_plan = last
         incumbent = (
-            ran
+            ran_plan
             if ran_state == state and ran_sig is not None and signature_no_smaller(sig, ran_sig)
             else None
         )
@@ -1146,9 +1149,21 @@ def _auto(
                 first, total_now = err, err.budget_bytes
             if options is None:
                 return first  # type: ignore[return-value]
-            _, fit = step.compiled_fit(
-                new, first, total_now, now, measure, mixed, base, timed, incumbent
-            )
+            try:
+                _, fit = step.compiled_fit(
+                    new,
+                    first,
+                    total_now,
+                    now,
+                    measure,
+                    mixed,
+                    base,
+                    timed,
+                    incumbent,
+                    before.held_more(state, sig),
+                )
+            finally:
+                before.add(state, sig, [(p, step.whole(new, p, m, now, base)) for p, m in ran])
         last[:] = [state, sig, fit.plan]
         return fit.plan
 
@@ -1169,33 +1184,39 @@ def _auto(
     fit: _OneGraphFit | None = None
     if options is not None:
         trials: dict[str, nn.Module] = {}
+        ran: list[tuple[Plan, int]] = []
 
         def measure_first(p: Plan) -> int:
             trials[describe_compiled(p)] = trial = build(as_one_graph(p))
             loss = loss_fn or default_loss_fn
             peak = _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
             first.peaks[describe_compiled(p)] = peak
+            ran.append((p, peak))
             return peak
 
         def timed_first(plans: Sequence[Plan]) -> list[float]:
             ran = [trials[describe_compiled(p)] for p in plans]
             return _one_graph_seconds(model, ran, loss_fn or default_loss_fn, batch)
 
-        with _trials_shown(progress, measure_first) as measure_first:
-            ran, fit = step.compiled_fit(
-                captured,
-                refused or chosen,
-                total,
-                None,
-                measure_first,
-                lambda eager: captured_as(batch, loss_fn, eager),
-                timed=timed_first,
-            )
+        state = (False, step_state(model)[1], called)
+        try:
+            with _trials_shown(progress, measure_first) as measure_first:
+                planned_on, fit = step.compiled_fit(
+                    captured,
+                    refused or chosen,
+                    total,
+                    None,
+                    measure_first,
+                    lambda eager: captured_as(batch, loss_fn, eager),
+                    timed=timed_first,
+                )
+        finally:
+            before.add(state, signature, [(p, step.whole(captured, p, m, None)) for p, m in ran])
         chosen = fit.plan
-        last[:] = [(False, step_state(model)[1], called), signature, chosen]
+        last[:] = [state, signature, chosen]
         planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
         planned = planned or build(chosen)
-        return planned, step.summary(ran, chosen, total, fit, fake=bool(capture_options))
+        return planned, step.summary(planned_on, chosen, total, fit, fake=bool(capture_options))
     planned = build(chosen)
     return planned, step.summary(captured, chosen, total, fit, fake=bool(capture_options))
 
@@ -1298,10 +1319,10 @@ class _StepModel:
         measure: Callable[[Plan], int],
         base: Captured | None = None,
         timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
-        store_all: bool = True,
+        held_more: Callable[[Plan], int | None] = lambda plan: None,
     ) -> _OneGraphFit:
-        """:func:`_fit_one_graph` for the step captured in ``new``; ``store_all=False``: the
-        store-all graphs are not measured (NOTE [ The graph that ran, first ])."""
+        """:func:`_fit_one_graph` for the step captured in ``new`` (``held_more``: the whole
+        step a plan measured at inputs no larger, NOTE [ The graph that ran, first ])."""
 
         def plan_at(b: int) -> Plan:
             # the planner's plan, or where it nests checkpoints (one graph cannot run them)
@@ -1340,8 +1361,9 @@ class _StepModel:
             baseline=lambda p: self.baseline(new, p, now, base),
             measure=measure,
             whole=lambda p, measured: self.whole(new, p, measured, now, base),
-            store_all=_store_all_trials(new.chain) if store_all else (),
+            store_all=_store_all_trials(new.chain),
             timed=timed,
+            held_more=held_more,
         )
 
     def compiled_fit(
@@ -1355,6 +1377,7 @@ class _StepModel:
         base: Captured | None = None,
         timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
         incumbent: Plan | None = None,
+        held_more: Callable[[Plan], int | None] = lambda plan: None,
     ) -> tuple[Captured, _OneGraphFit]:
         """How the step captured compiled in ``new`` runs within ``total``, from the planner's
         ``first`` plan for it or its refusal: as one graph where one fits
@@ -1374,15 +1397,17 @@ class _StepModel:
         stage as one graph (``incumbent``): the store-all graphs before it in turn held more at
         the smaller inputs, or were timed slower, and a step's memory grows with its inputs.
         Where it fits the budget it runs: one graph compiled and no timing, instead of two
-        graphs or more. Else the trials go on as they would (its peak kept), so a refusal
-        still names the least of every trial. Where the plan that ran last recomputes stages
-        (or ran a graph per stage), every store-all graph held more than the budget there, so
-        at inputs no smaller they are not measured again: remat's plans are (the same GPT-2
-        at 80 %: 12 graphs and about 200 s a new length before, 9 of them store-all). Only
+        graphs or more. Else the trials go on (its peak kept). In them a plan whose one graph
+        held more than the budget at inputs no smaller than these, in the same step state, is
+        not measured again (``held_more``: the whole step it measured there; it counts as
+        tried): here it would hold more still. So where the plan that ran last recomputes
+        stages, no store-all graph is measured again (the same GPT-2 at 80 %: 12 graphs and
+        about 200 s a new length before, 9 of them store-all), nor a recomputing plan that held
+        more there (2 of 3 at length 34 after 32 where no one graph fit at 32). Below the
+        stages' least every trial is measured, so a refusal names the least of them all. Only
         which graph runs rests on that guess, never the budget: the graph that runs is
         measured at the new inputs."""
-        stored = incumbent is None or _one_graph_store_all(incumbent)
-        if incumbent is not None and total is not None and stored:
+        if incumbent is not None and total is not None and _one_graph_store_all(incumbent):
             plan = incumbent.made_for(new.chain)
             tried: list[str] = []
             fit = _trial(
@@ -1401,7 +1426,7 @@ class _StepModel:
                 return new, self.fit_below_least(new, first, now, measure, base, timed)
             except BudgetTooSmallError as err:
                 return self.eager_where_smaller(new, err, now, captured_as)
-        fit = self.fit_one_graph(new, first, total, now, measure, base, timed, stored)
+        fit = self.fit_one_graph(new, first, total, now, measure, base, timed, held_more)
         if fit.one_graph:
             return new, fit
         return self.per_stage_mix(new, fit, total, now, captured_as)
@@ -1662,6 +1687,37 @@ FLAT_METHOD = "hong-dp"
 plan nests checkpoints."""
 
 
+class _GraphsBefore:
+    """Every one graph :func:`auto` measured with compile, by step state and input signature:
+    its whole step (:meth:`_StepModel.whole`), by :func:`describe_compiled` of its plan
+    (NOTE [ The graph that ran, first ])."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[Any, tuple, dict[str, int]]] = []
+
+    def add(self, state: Any, signature: tuple, steps: Sequence[tuple[Plan, int]]) -> None:
+        """The plans measured as one graph in ``state`` on inputs of ``signature``, each with
+        its whole step."""
+        self.at.append((state, signature, {describe_compiled(p): w for p, w in steps}))
+
+    def held_more(self, state: Any, signature: tuple) -> Callable[[Plan], int | None]:
+        """For a plan, the largest whole step its one graph measured in ``state`` on inputs
+        no larger than ``signature``'s (:func:`remat.guards.signature_no_smaller`), or None."""
+
+        def held(plan: Plan) -> int | None:
+            name = describe_compiled(plan)
+            return max(
+                (
+                    steps[name]
+                    for at_state, at, steps in self.at
+                    if at_state == state and name in steps and signature_no_smaller(signature, at)
+                ),
+                default=None,
+            )
+
+        return held
+
+
 class _OneGraphFit(NamedTuple):
     """What :func:`_fit_one_graph` chose."""
 
@@ -1693,6 +1749,7 @@ def _fit_one_graph(
     whole: Callable[[Plan, int], int],
     store_all: Sequence[Plan] = (),
     timed: Callable[[Sequence[Plan]], Sequence[float]] | None = None,
+    held_more: Callable[[Plan], int | None] = lambda plan: None,
 ) -> _OneGraphFit:
     """A plan that runs as one compiled graph within ``total`` (NOTE [ One compiled graph ]).
 
@@ -1719,7 +1776,9 @@ def _fit_one_graph(
     seconds of a step of each plan given, compiled as one graph), the :data:`LOOK_AHEAD` after
     it are measured too, and the fastest of those that fit runs. If none fits the first plan
     runs a graph per stage, as the chain predicts it (``predicted(plan)``), and the note says
-    what was measured."""
+    what was measured. A plan for which ``held_more(plan)`` gives a whole step above ``total``
+    (:func:`auto`: one it measured at inputs no larger, NOTE [ The graph that ran, first ]) is
+    not measured: it counts as tried, that step taken for its own."""
     tried: list[str] = []
     seen: set[str] = set()
     first_over: int | None = None
@@ -1747,6 +1806,8 @@ def _fit_one_graph(
                 nonlocal measured_rivals
                 seen.add(describe_compiled(rival))
                 measured_rivals += 1
+                if _held_more(rival, total, held_more, tried) is not None:
+                    return None
                 return _trial(rival, total, baseline, measure, whole, tried)[0]
 
             fits = _in_turn(
@@ -1756,10 +1817,12 @@ def _fit_one_graph(
                 return _fastest(fits, timed)
             rivals = []
         seen.add(describe_compiled(plan))
-        fit, over, step = _trial(plan, total, baseline, measure, whole, tried)
-        first_over = over if first_over is None else first_over
-        if fit is not None:
-            return fit
+        step = _held_more(plan, total, held_more, tried)
+        if step is None:
+            fit, over, step = _trial(plan, total, baseline, measure, whole, tried)
+            first_over = over if first_over is None else first_over
+            if fit is not None:
+                return fit
         assert total is not None  # (without a budget every plan fits)
         # (a plan measured over twice the budget leaves no budget to lower to: the candidates)
         plan = _planned(plan_at, max(0, total - (step - total)))
@@ -1794,6 +1857,18 @@ def _trial(
         return _OneGraphFit(as_one_graph(plan), step, over, note), over, step
     tried.append(f"{describe_compiled(plan)}: {step:,} B ({over:,} B measured above the stages)")
     return None, over, step
+
+
+def _held_more(
+    plan: Plan, total: int | None, held_more: Callable[[Plan], int | None], tried: list[str]
+) -> int | None:
+    """:func:`_fit_one_graph`'s skip: the whole step ``held_more(plan)`` gives where it is
+    above ``total`` (``tried`` says so), else None: the plan is measured."""
+    step = None if total is None else held_more(plan)
+    if step is None or step <= total:
+        return None
+    tried.append(f"{describe_compiled(plan)}: {step:,} B at inputs no larger, not measured again")
+    return step
 
 
 def _in_turn(
