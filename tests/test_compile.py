@@ -1440,12 +1440,14 @@ def test_fit_one_graph_lowers_the_budget_by_what_the_graph_measured_over() -> No
     assert not got.one_graph and got.over is None and measured == [] and "nests" in got.note
 
 
-def test_fit_one_graph_measures_storing_all_at_both_partitioner_budgets_before_recomputing() -> (
-    None
-):
-    # NOTE [ The partitioner's budget ]: torch.compile's own points (store everything, at
-    # torch's setting and at the partitioner budget 0.5) are measured before remat's first plan
-    # that recomputes a stage, each once and not counted in ONE_GRAPH_TRIALS
+def _rivals_fit(
+    held_more: Callable[[str], int | None] = lambda name: None,
+) -> tuple[dict[str, int], list[str], Callable[[remat.Plan], str], Callable[..., Any]]:
+    """``(step, measured, name, fit)``: :func:`_fit_one_graph` of :func:`_plans` with storing
+    all at torch's setting and at 0.5 as the store-all trials, each plan's step in ``step`` (the
+    one graph measures what the chain predicts), the planner's plan tight below 100 and loose
+    from it, the candidates mid and tighter; ``fit(total, first)`` records the plans measured
+    in ``measured`` (by ``name``), ``held_more`` by name."""
     plans = _plans()
     plans["all"] = remat.Plan.none(4)
     plans["all@0.5"] = with_partitioner_budget(remat.Plan.none(4), 0.5)
@@ -1453,12 +1455,8 @@ def test_fit_one_graph_measures_storing_all_at_both_partitioner_budgets_before_r
     measured: list[str] = []
 
     def name(p: remat.Plan) -> str:
-        knob = partitioner_budget(p)
-        return next(
-            k
-            for k, v in plans.items()
-            if v.describe() == p.describe() and partitioner_budget(v) == knob
-        )
+        shown = AUTO.describe_compiled(p)
+        return next(k for k, v in plans.items() if AUTO.describe_compiled(v) == shown)
 
     def measure(p: remat.Plan) -> int:
         measured.append(name(p))
@@ -1476,7 +1474,19 @@ def test_fit_one_graph_measures_storing_all_at_both_partitioner_budgets_before_r
             lambda: [plans[k] for k in ("mid", "tighter")],
             whole=lambda p, m: m,
             store_all=[plans["all"], plans["all@0.5"]],
+            held_more=lambda p: held_more(name(p)),
         )
+
+    return step, measured, name, fit
+
+
+def test_fit_one_graph_measures_storing_all_at_both_partitioner_budgets_before_recomputing() -> (
+    None
+):
+    # NOTE [ The partitioner's budget ]: torch.compile's own points (store everything, at
+    # torch's setting and at the partitioner budget 0.5) are measured before remat's first plan
+    # that recomputes a stage, each once and not counted in ONE_GRAPH_TRIALS
+    step, measured, name, fit = _rivals_fit()
 
     # the first plan recomputes: storing all (over) then storing all at 0.5 (fits) first
     got = fit(100, "loose")
@@ -1504,46 +1514,17 @@ def test_fit_one_graph_does_not_measure_again_a_plan_that_held_more_at_inputs_no
     # inputs no larger (held_more: its whole step there) is not measured again: it counts as
     # tried, that step taken for its own (the next plan is the planner's for the budget
     # lowered by its excess). A step there within the budget says nothing: the plan is measured
-    plans = _plans()
-    plans["all"] = remat.Plan.none(4)
-    plans["all@0.5"] = with_partitioner_budget(remat.Plan.none(4), 0.5)
-    step = {"loose": 95, "mid": 90, "tight": 82, "tighter": 70, "all": 120, "all@0.5": 99}
     before: dict[str, int] = {}
-    measured: list[str] = []
-
-    def name(p: remat.Plan) -> str:
-        return next(
-            k for k, v in plans.items() if AUTO.describe_compiled(v) == AUTO.describe_compiled(p)
-        )
-
-    def measure(p: remat.Plan) -> int:
-        measured.append(name(p))
-        return step[name(p)]
-
-    def fit(total: int) -> Any:
-        measured.clear()
-        return _fit_one_graph(
-            plans["loose"],
-            total,
-            lambda b: plans["tight" if b < 100 else "loose"],
-            lambda p: step[name(p)],
-            lambda p: step[name(p)],
-            measure,
-            lambda: [plans[k] for k in ("mid", "tighter")],
-            whole=lambda p, m: m,
-            store_all=[plans["all"], plans["all@0.5"]],
-            held_more=lambda p: before.get(name(p)),
-        )
-
-    got = fit(80)  # nothing held more before: every trial measured
+    _, measured, name, fit = _rivals_fit(lambda name: before.get(name))
+    got = fit(80, "loose")  # nothing held more before: every trial measured
     assert measured == ["all", "all@0.5", "loose", "tight", "mid"] and not got.one_graph
     before.update({"all": 110, "all@0.5": 95, "loose": 90, "tight": 79})
-    got = fit(80)
+    got = fit(80, "loose")
     # loose's 90 lowers the budget to 70: tight, measured (79 was within 80); mid the third
     assert measured == ["tight", "mid"] and not got.one_graph and name(got.plan) == "loose"
     assert got.note.count("not measured again") == 3
     assert "[1-4] at partitioner budget 0.5: 95 B at inputs no larger" in got.note
-    got = fit(100)  # storing all held more; at 0.5 it held less: measured, and it fits
+    got = fit(100, "loose")  # storing all held more; at 0.5 it held less: measured, it fits
     assert measured == ["all@0.5"] and got.one_graph and name(got.plan) == "all@0.5"
 
 
