@@ -1242,9 +1242,10 @@ def test_a_replan_for_larger_inputs_measures_the_graph_that_ran_first(
         assert measured[0] == (192, 0.5, False), measured
     else:  # remat's plans only
         assert measured and all(recomputes for _, _, recomputes in measured), measured
-    measured.clear()
-    planned(torch.randn(64, 64)).sum().backward()  # smaller than all: the trials in turn
-    assert len(measured) >= 4 and measured[0] == (64, None, False), measured
+    if ran == "store-all":  # (once: each graph compiles for 64 rows)
+        measured.clear()
+        planned(torch.randn(64, 64)).sum().backward()  # smaller than all: the trials in turn
+        assert len(measured) >= 4 and measured[0] == (64, None, False), measured
 
 
 def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
