@@ -1195,8 +1195,8 @@ def _auto(
             return peak
 
         def timed_first(plans: Sequence[Plan]) -> list[float]:
-            ran = [trials[describe_compiled(p)] for p in plans]
-            return _one_graph_seconds(model, ran, loss_fn or default_loss_fn, batch)
+            graphs = [trials[describe_compiled(p)] for p in plans]
+            return _one_graph_seconds(model, graphs, loss_fn or default_loss_fn, batch)
 
         state = (False, step_state(model)[1], called)
         try:
