@@ -174,18 +174,41 @@ def test_auto_reaches_what_checkpointing_every_block_reaches(name: str) -> None:
 # dropout (0.2, in the classifier); LoRA-Llama: a frozen prefix (NOTE [ A frozen prefix in the planners ]);
 # T5: no chain, refused with what to do. The full matrix: benchmarks/conformance.py --compile
 COMPILED = {"tv-mobilenet_v3_small": "pass", "peft-lora-llama": "pass", "hf-t5": "refused"}
+# The compiled cases' budgets, as fractions of the eager step's measured peak: where the matrix's
+# 50 % budgets fell (docs/results/conformance/compiled: MobileNetV3 24,376,068 B of 27,109,744 B,
+# LoRA-Llama 389,916 B of 474,312 B, RegNet 4,396,282 B of 5,055,672 B), each below what storing
+# every stage compiled holds, so the plan that runs recomputes. Set from the eager peak, not from
+# the least that a 1-byte budget's refusal names: finding that least compiles and measures every
+# one-graph plan (MobileNetV3: 11 graphs, 100 s of the case's 126 s). The compiled least is
+# accepted in tests/test_compile.py (LoRA, an MLP) and by the benchmark (--fractions 0).
+EAGER_FRACTION = {"tv-mobilenet_v3_small": 0.9, "peft-lora-llama": 0.82, "tv-regnet": 0.87}
+
+
+def _compiled_case(name: str) -> conf.Record:
+    """``name``'s loss_fn loop through ``remat.auto`` compiled (aot_eager_decomp_partition) at
+    :data:`EAGER_FRACTION` of its eager peak (T5, refused before any budget: 0.5)."""
+    eager = conf.eager_peak(name, "loss_fn")
+    budget = int(EAGER_FRACTION.get(name, 0.5) * eager)
+    return run_case(
+        name,
+        "loss_fn",
+        None,
+        budget=budget,
+        eager=eager,
+        compile={"backend": "aot_eager_decomp_partition"},
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_auto_compiled_trains_the_model_within_the_budget_with_eager_gradients(name: str) -> None:
-    record = run_case(name, "loss_fn", 0.5, compile={"backend": "aot_eager_decomp_partition"})
+    record = _compiled_case(name)
     if COMPILED[name] == "refused":
         assert record.status == "refused", record
         assert "use compile=False, or name stages=" in record.error, record.error
         return
     assert record.status == "pass", (
-        f"{name} compiled at budget {record.budget_bytes} (least {record.least_bytes}): "
+        f"{name} compiled at budget {record.budget_bytes}: "
         f"{record.path} measured {record.peak_bytes}; {'; '.join(record.violations)} "
         f"{record.error}"
     )
@@ -194,10 +217,9 @@ def test_auto_compiled_trains_the_model_within_the_budget_with_eager_gradients(n
 
 @pytest.mark.slow
 def test_auto_compiled_regnet_updates_batch_norm_once() -> None:
-    record = run_case(
-        "tv-regnet", "loss_fn", 0.5, compile={"backend": "aot_eager_decomp_partition"}
-    )
+    record = _compiled_case("tv-regnet")
     assert record.status == "pass", f"{'; '.join(record.violations)} {record.error}"
+    assert record.buffers_equal
 
 
 def test_compiled_buffers_agree_within_compiles_tolerance_and_counts_exactly() -> None:
