@@ -34,7 +34,12 @@ from remat.auto import _fit_one_graph, predicted_step_peak_bytes
 from remat.capture.chain import capture
 from remat.core.errors import UnsupportedModelError
 from remat.core.plan import ChainSegment, PlanError
-from remat.execute.chain import as_one_graph, partitioner_budget, with_partitioner_budget
+from remat.execute.chain import (
+    as_one_graph,
+    describe_compiled,
+    partitioner_budget,
+    with_partitioner_budget,
+)
 from remat.measure.events import SCRATCH_MIN_BYTES, step_peak_bytes
 
 AUTO = importlib.import_module("remat.auto")  # the module (``remat.auto`` is the function)
@@ -110,12 +115,11 @@ def step_of(module: nn.Module, loss: Any, batch: Any) -> Any:
     return step
 
 
-def auto_on_a_copy(model: nn.Module, x: torch.Tensor, loss: Any, budget: Any) -> Any:
-    """``remat.auto`` compiled (loss-only loop) on a copy of ``model``, dynamo reset first."""
+def compiled_auto(model: nn.Module, x: torch.Tensor, loss: Any, budget: Any) -> Any:
+    """``remat.auto`` compiled (loss-only loop), dynamo reset first. Calls after the first on
+    ``model`` start from its capture and graphs (NOTE [ A call again at the minimum named ])."""
     torch._dynamo.reset()
-    return remat.auto(
-        copy.deepcopy(model), x, loss_fn=loss, budget=budget, compile=PARTITIONER, loop="loss-only"
-    )
+    return remat.auto(model, x, loss_fn=loss, budget=budget, compile=PARTITIONER, loop="loss-only")
 
 
 def graphs_and_breaks() -> tuple[int, int]:
@@ -213,7 +217,7 @@ def test_a_target_the_loss_reads_from_its_closure_is_predicted(fraction: str) ->
         return nn.functional.cross_entropy(m(b), target)
 
     def auto(budget: Any) -> tuple[nn.Module, Any]:
-        return auto_on_a_copy(model, x, loss, budget)
+        return compiled_auto(model, x, loss, budget)
 
     budget: Any = fraction
     if fraction == "least":
@@ -268,7 +272,7 @@ def test_compiled_peak_stays_under_each_byte_budget_as_the_budget_falls() -> Non
     eager_compiled = step_peak_bytes(step_of(plain, loss, x), plain, None, x)
 
     def auto(budget: int) -> tuple[nn.Module, Any]:
-        return auto_on_a_copy(model, x, loss, budget)
+        return compiled_auto(model, x, loss, budget)
 
     with pytest.raises(remat.BudgetTooSmallError) as info:
         auto(1)
@@ -1283,18 +1287,46 @@ def test_a_replan_for_a_new_shape_leaves_eager_the_stages_that_ran_faster_so(
     assert measured <= least, (measured, least)
 
 
-def test_compiled_budget_below_the_stages_least_runs_as_one_graph_and_its_minimum_is_accepted() -> (
-    None
-):
+class _Counted:
+    """The captures (their ``compile=``) and one-graph measurements (by
+    :func:`describe_compiled`) of ``remat.auto`` from here on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.captures: list[Any] = []
+        self.measured: list[str] = []
+        real_capture, real_peak = AUTO.capture, AUTO._one_graph_peak
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.captures.append(kwargs.get("compile"))
+            return real_capture(*args, **kwargs)
+
+        def peak(m: nn.Module, trial: nn.Module, *args: Any) -> int:
+            self.measured.append(describe_compiled(trial.plan))
+            return real_peak(m, trial, *args)
+
+        monkeypatch.setattr(AUTO, "capture", counted)
+        monkeypatch.setattr(AUTO, "_one_graph_peak", peak)
+
+    def clear(self) -> None:
+        self.captures.clear()
+        self.measured.clear()
+
+
+def test_compiled_budget_below_the_stages_least_runs_as_one_graph_and_its_minimum_is_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # issue #19 on an H100: GPT-2 124M's budget of 5,787,196,928 B was refused naming the
     # stages' least, 6,631,674,904 B, while its one graph then measured 5,398,799,872 B. One
     # graph can hold less than its stages compiled alone (the partitioner recomputes across
     # stages): below the chain's least, auto measures the least-memory plans as one graph and
     # names the least whole step of them all, a budget it then accepts (here 412,424 B against
-    # the stages' 448,856 B)
+    # the stages' 448,856 B). The calls after the refusal start from its capture and graphs
+    # (NOTE [ A call again at the minimum named ]): each compiles and measures only the graph
+    # it runs (before, each captured and measured every plan again)
     model = mlp(depth=8)
     reference = copy.deepcopy(model)
     x = torch.randn(128, 64)
+    counted = _Counted(monkeypatch)
 
     def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(b).sum()
@@ -1304,12 +1336,16 @@ def test_compiled_budget_below_the_stages_least_runs_as_one_graph_and_its_minimu
 
     with pytest.raises(remat.BudgetTooSmallError) as info:
         auto(1)
+    assert counted.captures and len(counted.measured) >= 3, counted.measured
     least = info.value.minimum_bytes
     stages_least = info.value.__cause__.minimum_bytes  # type: ignore[union-attr]
     assert least < stages_least, (least, stages_least)
     for budget in (least, stages_least - 1):
+        counted.clear()
         planned, summary = auto(budget)
         assert summary.compiled == "one-graph", summary.compiled_note
+        assert counted.captures == [], counted.captures
+        assert counted.measured == [describe_compiled(planned.plan)], counted.measured
         assert summary.one_graph_over_bytes is not None and summary.one_graph_over_bytes < 0
         measured = step_peak_bytes(step_of(planned, loss_fn, x), model, None, x)
         assert measured <= summary.predicted_peak_bytes <= budget, (
@@ -1320,6 +1356,44 @@ def test_compiled_budget_below_the_stages_least_runs_as_one_graph_and_its_minimu
     loss_fn(planned, x).backward()
     loss_fn(reference, x).backward()
     assert_equal_grads(model, reference)
+
+
+def test_a_compiled_call_starts_from_the_last_calls_graphs_only_for_the_same_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NOTE [ A call again at the minimum named ]: the record of the last compiled call stays
+    # with the model (not in its state dict, not in a copy), is used only for the same loss,
+    # and where the graph that runs holds more than recorded the call starts again
+    model = mlp(depth=4)
+    state = set(model.state_dict())
+    x = torch.randn(64, 64)
+    counted = _Counted(monkeypatch)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    def auto(on: nn.Module = model, loss: Any = loss_fn) -> tuple[nn.Module, Any]:
+        return remat.auto(on, x, loss, budget="100%", compile=PARTITIONER, loop="loss-only")
+
+    auto()
+    assert counted.captures and counted.measured
+    counted.clear()
+    planned, _ = auto()
+    assert counted.captures == [] and counted.measured == [describe_compiled(planned.plan)]
+    assert set(model.state_dict()) == state
+    for on, loss in ((copy.deepcopy(model), loss_fn), (model, lambda m, b: m(b).sum())):
+        counted.clear()
+        auto(on, loss)
+        assert counted.captures and counted.measured, (counted.captures, counted.measured)
+    auto()
+    # each graph recorded 4 KiB below what it holds: the graph that runs measures more
+    record = model.__dict__[AUTO._LAST_CALL]
+    record.first.peaks = {name: held - 4096 for name, held in record.first.peaks.items()}
+    counted.clear()
+    planned, summary = auto()
+    assert counted.captures and len(counted.measured) >= 2, counted.measured
+    peak = step_peak_bytes(step_of(planned, loss_fn, x), model, None, x)
+    assert peak <= summary.predicted_peak_bytes <= summary.budget_bytes, (peak, summary)
 
 
 def test_apply_one_graph_runs_a_flat_plan_as_one_graph_and_refuses_a_nested_one() -> None:

@@ -728,6 +728,82 @@ def _measured_key(model: nn.Module, signature: tuple, trains: tuple, autocast: A
     return signature, trains, autocast, modes, layouts
 
 
+# NOTE [ A call again at the minimum named ]: a compiled refusal compiles and measures every
+# one-graph plan to name the least whole step (:meth:`_StepModel.fit_below_least`), and the
+# user's next call, at the minimum it named, used to capture the stages and compile and measure
+# the same graphs again (a LoRA GPT-2 under aot_eager_decomp_partition: the refusal and the
+# call at its minimum each measured every plan). A compiled call now starts from the capture
+# and one-graph peaks of the model's last compiled call where both are made for the same step:
+# the same loss_fn, stages, compile options and capture options, and the same
+# :func:`_measured_key` (inputs' shapes, parameters that train, autocast regions, modes,
+# parameters' layouts). A plan measured there is not compiled again to be weighed; the graph
+# that runs is compiled and measured in this call, and where it holds more than it did there
+# (the model changed in a way the key does not see) the call starts again from a fresh capture.
+# The record lives on the model (:class:`_LastCall`), so it goes with it, and neither a copy
+# nor a pickle of the model carries it.
+_LAST_CALL = "_remat_auto_last_call"
+
+
+class _LastCall:
+    """What the model's last compiled :func:`auto` call planned on: its key (:func:`_call_key`),
+    the capture options, and its first step's :class:`_Measured` (NOTE [ A call again at the
+    minimum named ]). Not copied with the model, nor pickled."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.options: dict[str, Any] = {}
+        self.first: _Measured | None = None
+
+    def __deepcopy__(self, memo: dict) -> _LastCall:
+        return _LastCall()
+
+    def __reduce__(self) -> tuple:
+        return (_LastCall, ())
+
+    def of(self, key: tuple) -> tuple[_Measured, dict[str, Any]] | None:
+        """The step measured for ``key`` and its capture options, or None."""
+        if self.first is None or self.key != key:
+            return None
+        return self.first, self.options
+
+    def keep(self, key: tuple, first: _Measured, options: dict[str, Any]) -> None:
+        self.key, self.first, self.options = key, first, options
+
+    def forget(self) -> None:
+        self.key, self.first, self.options = None, None, {}
+
+
+def _last_call(model: nn.Module) -> _LastCall:
+    """The model's :class:`_LastCall`, made on first use (an attribute that is neither a
+    parameter, a buffer nor a module: not in the state dict)."""
+    last = model.__dict__.get(_LAST_CALL)
+    if not isinstance(last, _LastCall):
+        last = _LastCall()
+        object.__setattr__(model, _LAST_CALL, last)
+    return last
+
+
+def _call_key(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    stages: list[str] | None,
+    options: Mapping[str, Any],
+    fake: bool,
+) -> tuple | None:
+    """What a compiled :func:`auto` call's capture and one-graph peaks depend on (NOTE [ A
+    call again at the minimum named ]); None where the loss never calls the model (the
+    capture then says so)."""
+    try:
+        args, kwargs, called = _model_call(model, loss_fn or default_loss_fn, batch)
+    except ValueError:
+        return None
+    _, trains, _ = step_state(model)
+    measured = _measured_key(model, input_signature(*args, **kwargs), trains, called)
+    compiled = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    return measured, loss_fn, None if stages is None else tuple(stages), compiled, fake
+
+
 def _measured_for(
     measured: dict[tuple, _Measured],
     model: nn.Module,
@@ -929,7 +1005,10 @@ def auto(
     is tried with the least-memory flat plans measured as one graph
     (:meth:`_StepModel.fit_below_least`): one graph can hold less than its stages compiled
     alone, so the minimum a refusal names is the least of the chain's and theirs (each
-    refusal and each such budget compiles and measures up to :data:`ONE_GRAPH_TRIALS` graphs);
+    refusal and each such budget compiles and measures up to :data:`ONE_GRAPH_TRIALS` graphs;
+    the next compiled call on the model for the same step, at the minimum named, starts from
+    the refusal's capture and graphs and compiles only the graph it runs: NOTE [ A call again
+    at the minimum named ]);
     below those too, a graph per stage with the stages that hold less eager left eager
     (:meth:`_StepModel.eager_where_smaller`), whose least the refusal names as well.
     Where no plan fits, each stage runs as its own compiled graph (NOTE [ One graph per stage ]
@@ -995,19 +1074,28 @@ def _auto(
     check_not_wrapped(model, "remat.auto")  # wrap the planned model in DDP/FSDP afterwards
     check_no_own_checkpointing(model)  # before the graph fallback below, which would hide it
     batch = _batch_for_meta_parameters(model, batch, fake)
+    # compiled: the last call's capture and graphs, for the same step (NOTE [ A call again at
+    # the minimum named ])
+    last_call = _last_call(model) if options is not None else None
+    call_key = None if options is None else _call_key(model, batch, loss_fn, stages, options, fake)
+    before_now = None if last_call is None or call_key is None else last_call.of(call_key)
     try:
-        captured, capture_options = _first_capture(
-            model,
-            fake,
-            lambda o: capture(
+        captured, capture_options = (
+            (before_now[0].captured, before_now[1])
+            if before_now is not None
+            else _first_capture(
                 model,
-                batch,
-                loss_fn=loss_fn,
-                stages=stages,
-                compile=compiled_costs,
-                progress=progress,
-                **o,
-            ),
+                fake,
+                lambda o: capture(
+                    model,
+                    batch,
+                    loss_fn=loss_fn,
+                    stages=stages,
+                    compile=compiled_costs,
+                    progress=progress,
+                    **o,
+                ),
+            )
         )
     except UnsupportedModelError as err:
         if stages is not None:
@@ -1084,7 +1172,9 @@ def _auto(
         return step.unplanned_peak(user) - step.unplanned_peak(proxy), proxy.chain.input_bytes
 
     margin = _loss_margin(loss_fn, measure_loss)
-    first = _Measured(captured)
+    first = before_now[0] if before_now is not None else _Measured(captured)
+    if last_call is not None and call_key is not None:
+        last_call.keep(call_key, first, capture_options)
     measured = {_measured_key(model, signature, step_state(model)[1], called): first}
     # the plan that ran last, its inputs and step state (NOTE [ The graph that ran, first ])
     last: list[Any] = [None, None, None]
@@ -1186,16 +1276,25 @@ def _auto(
         trials: dict[str, nn.Module] = {}
         ran: list[tuple[Plan, int]] = []
 
-        def measure_first(p: Plan) -> int:
-            trials[describe_compiled(p)] = trial = build(as_one_graph(p))
+        def trial_first(p: Plan) -> nn.Module:
+            name = describe_compiled(p)
+            if name not in trials:
+                trials[name] = build(as_one_graph(p))
+            return trials[name]
+
+        def peak_first(p: Plan) -> int:
             loss = loss_fn or default_loss_fn
-            peak = _one_graph_peak(model, trial, loss, batch, captured.external_bytes)
-            first.peaks[describe_compiled(p)] = peak
-            ran.append((p, peak))
-            return peak
+            return _one_graph_peak(model, trial_first(p), loss, batch, captured.external_bytes)
+
+        def measure_first(p: Plan) -> int:
+            name = describe_compiled(p)
+            if name not in first.peaks:  # (else measured by the last call: not compiled again)
+                first.peaks[name] = peak_first(p)
+            ran.append((p, first.peaks[name]))
+            return first.peaks[name]
 
         def timed_first(plans: Sequence[Plan]) -> list[float]:
-            graphs = [trials[describe_compiled(p)] for p in plans]
+            graphs = [trial_first(p) for p in plans]
             return _one_graph_seconds(model, graphs, loss_fn or default_loss_fn, batch)
 
         state = (False, step_state(model)[1], called)
@@ -1214,7 +1313,17 @@ def _auto(
             before.add(state, signature, [(p, step.whole(captured, p, m, None)) for p, m in ran])
         chosen = fit.plan
         last[:] = [state, signature, chosen]
-        planned = trials.get(describe_compiled(chosen)) if fit.one_graph else None
+        name = describe_compiled(chosen)
+        if fit.one_graph and before_now is not None and name not in trials:
+            # its peak is the last call's: the graph that runs is measured in this one
+            if peak_first(chosen) > first.peaks[name]:
+                assert last_call is not None
+                last_call.forget()  # (the model changed in a way the key does not see)
+                return _auto(
+                    model, batch, loss_fn, budget, method, optimizer, stages, loop, fake,
+                    compile, progress,
+                )  # fmt: skip
+        planned = trials.get(name) if fit.one_graph else None
         planned = planned or build(chosen)
         return planned, step.summary(planned_on, chosen, total, fit, fake=bool(capture_options))
     planned = build(chosen)
