@@ -1362,8 +1362,8 @@ def test_a_compiled_call_starts_from_the_last_calls_graphs_only_for_the_same_ste
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # NOTE [ A call again at the minimum named ]: the record of the last compiled call stays
-    # with the model (not in its state dict, not in a copy), is used only for the same loss,
-    # and where the graph that runs holds more than recorded the call starts again
+    # with the model (not in its state dict, not in a copy), is used only for the same loss and
+    # modules, and where the graph that runs holds more than recorded the call starts again
     model = mlp(depth=4)
     state = set(model.state_dict())
     x = torch.randn(64, 64)
@@ -1386,6 +1386,10 @@ def test_a_compiled_call_starts_from_the_last_calls_graphs_only_for_the_same_ste
         auto(on, loss)
         assert counted.captures and counted.measured, (counted.captures, counted.measured)
     auto()
+    model[1] = nn.Tanh()  # (a module replaced, even by its like: another step)
+    counted.clear()
+    auto()
+    assert counted.captures and counted.measured, (counted.captures, counted.measured)
     # each graph recorded 4 KiB below what it holds: the graph that runs measures more
     record = model.__dict__[AUTO._LAST_CALL]
     record.first.peaks = {name: held - 4096 for name, held in record.first.peaks.items()}

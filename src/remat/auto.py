@@ -734,7 +734,7 @@ def _measured_key(model: nn.Module, signature: tuple, trains: tuple, autocast: A
 # the same graphs again (a LoRA GPT-2 under aot_eager_decomp_partition: the refusal and the
 # call at its minimum each measured every plan). A compiled call now starts from the capture
 # and one-graph peaks of the model's last compiled call where both are made for the same step:
-# the same loss_fn, stages, compile options and capture options, and the same
+# the same loss_fn, modules, stages, compile options and capture options, and the same
 # :func:`_measured_key` (inputs' shapes, parameters that train, autocast regions, modes,
 # parameters' layouts). A plan measured there is not compiled again to be weighed; the graph
 # that runs is compiled and measured in this call, and where it holds more than it did there
@@ -801,7 +801,10 @@ def _call_key(
     _, trains, _ = step_state(model)
     measured = _measured_key(model, input_signature(*args, **kwargs), trains, called)
     compiled = tuple(sorted((k, repr(v)) for k, v in options.items()))
-    return measured, loss_fn, None if stages is None else tuple(stages), compiled, fake
+    # the modules themselves: one replaced by another of the same parameters (a ReLU by a
+    # GELU) is another step (the record keeps the old one alive: its id is not reused)
+    modules = tuple(map(id, model.modules()))
+    return measured, modules, loss_fn, None if stages is None else tuple(stages), compiled, fake
 
 
 def _measured_for(
