@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import io
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -1362,8 +1363,9 @@ def test_a_compiled_call_starts_from_the_last_calls_graphs_only_for_the_same_ste
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # NOTE [ A call again at the minimum named ]: the record of the last compiled call stays
-    # with the model (not in its state dict, not in a copy), is used only for the same loss and
-    # modules, and where the graph that runs holds more than recorded the call starts again
+    # with the model (not in its state dict, a copy or a saved module), is used only for the
+    # same loss and modules, and where the graph that runs holds more than recorded the call
+    # starts again
     model = mlp(depth=4)
     state = set(model.state_dict())
     x = torch.randn(64, 64)
@@ -1381,6 +1383,10 @@ def test_a_compiled_call_starts_from_the_last_calls_graphs_only_for_the_same_ste
     planned, _ = auto()
     assert counted.captures == [] and counted.measured == [describe_compiled(planned.plan)]
     assert set(model.state_dict()) == state
+    saved = io.BytesIO()
+    torch.save(model, saved)  # (a whole module, as users save one)
+    saved.seek(0)
+    assert torch.load(saved, weights_only=False).__dict__[AUTO._LAST_CALL].first is None
     for on, loss in ((copy.deepcopy(model), loss_fn), (model, lambda m, b: m(b).sum())):
         counted.clear()
         auto(on, loss)
