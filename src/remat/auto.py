@@ -490,16 +490,23 @@ def predicted_step_peak_bytes(
     return step_peak_of(captured.chain, plan, costs)
 
 
-def stage_grad_bytes(stages: Any) -> list[int]:
+def stage_grad_bytes(stages: Any, made: Sequence[Collection[int]] = ()) -> list[int]:
     """Parameter-gradient bytes each stage's backward allocates (a parameter shared by several
     stages, such as tied embeddings, is counted at the last of them: the backward reaches it
-    first)."""
+    first). ``made``: per stage, the ids of the parameters whose gradients its backward made
+    as captured (:attr:`remat.capture.chain.Captured.grad_made`); a parameter among them is
+    counted at the last stage that made it, the others at the last stage whose modules hold it
+    (NOTE [ The gradients a stage's backward makes ] in remat.capture.chain)."""
 
     owner: dict[int, tuple[int, int]] = {}
     for index, module in enumerate(stages.modules):
         for p in grad_parameters(module):
             if p.requires_grad:
                 owner[id(p)] = (index, allocation_bytes(p))
+    for index, ids in enumerate(made):
+        for key in ids:
+            if key in owner:
+                owner[key] = (index, owner[key][1])
     result = [0] * len(stages.modules)
     for index, nbytes in owner.values():
         result[index] += nbytes
@@ -547,7 +554,11 @@ def step_costs(
     re-plan, :func:`_trained_now`) instead of ``model`` and ``optimizer`` before training."""
     graph = isinstance(captured, GraphTrace)
     if now is None:
-        grads = list(captured.param_grad_bytes) if graph else stage_grad_bytes(captured.stages)
+        grads = (
+            list(captured.param_grad_bytes)
+            if graph
+            else stage_grad_bytes(captured.stages, captured.grad_made)
+        )
         now = _Trained(
             fixed_bytes(model, optimizer), grads, optimizer_costs(model, optimizer)[1], False
         )
@@ -1115,7 +1126,7 @@ def _auto(
     chain = captured.chain
     fixed = fixed_bytes(model, optimizer)
     _, step_bytes = optimizer_costs(model, optimizer)
-    grads = stage_grad_bytes(captured.stages)
+    grads = stage_grad_bytes(captured.stages, captured.grad_made)
     step = _StepModel(
         model,
         batch,
@@ -1196,7 +1207,7 @@ def _auto(
         seen = _measured_for(measured, model, (args, kwargs), lambda: captured_as(inputs, loss))
         base = seen.captured
         new = base if same else with_margin(base)
-        now = _trained_now(model, optimizer, stage_grad_bytes(new.stages))
+        now = _trained_now(model, optimizer, stage_grad_bytes(new.stages, new.grad_made))
 
         built: dict[str, nn.Module] = {}  # the trials compiled, by describe_compiled
         ran: list[tuple[Plan, int]] = []  # the one graphs measured, with their peaks

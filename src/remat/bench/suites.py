@@ -117,7 +117,7 @@ def load_workload(name: str, batch_size: int | None = None, **options: Any) -> W
     opt = torch.optim.Adam(entry.model.parameters())
     work.fixed_bytes = fixed_bytes(entry.model, opt)
     work.optimizer_step_bytes = optimizer_costs(entry.model, opt)[1]
-    work.grad_bytes = stage_grad_bytes(captured.stages)
+    work.grad_bytes = stage_grad_bytes(captured.stages, captured.grad_made)
     work.grad_rise_bytes = captured.grad_rise_bytes
     return work
 

@@ -177,6 +177,9 @@ class Captured:
     (:func:`unhooked_saved`, NOTE [ Saved wrapped scalars ]): every forward of the stage keeps
     them, a checkpointed one too, until its backward (:attr:`remat.core.step.StepCosts.
     forward_kept_bytes`); not in ``saved_bytes``. Empty when unknown."""
+    grad_made: tuple[frozenset[int], ...] = ()
+    """Per stage, the ids of the model's parameters whose gradients its backward made, as
+    measured (NOTE [ The gradients a stage's backward makes ]); empty when unknown."""
     random_stages: tuple[int, ...] = ()
     """The stages (numbers from 1) whose forward draws random numbers (:attr:`StageCost.random`:
     dropout). remat's executor replays them when it recomputes; torch's partitioner below its
@@ -236,6 +239,9 @@ class StageCost:
     input_grad_layouts: tuple[Layout | None, ...] = ()
     """The layouts of the gradients its backward made for its inputs that require grad, in
     order (None: no gradient reached that input)."""
+    grad_made: frozenset[int] = frozenset()
+    """Positions in the ``params`` it was measured with of the parameters whose gradients its
+    backward made (NOTE [ The gradients a stage's backward makes ])."""
 
 
 def capture_chain(
@@ -323,7 +329,7 @@ def _capture(
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
-            chain, rises, output, kept, small, external, random = _measure_chain(
+            chain, rises, output, kept, small, external, random, made = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -337,7 +343,7 @@ def _capture(
             # dynamo guards on that global state, and each stage was compiled twice)
             with torch.random.fork_rng(devices=devices), no_autocast_cache():
                 calls = None if compile is None else compile_stages(split, compile, eager_stages)
-                chain, rises, output, kept, small, external, random = _measure_chain(
+                chain, rises, output, kept, small, external, random, made = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
             copies = writes.written_bytes()
@@ -358,7 +364,15 @@ def _capture(
         recompute_kept_bytes=stats if any(stats) else (),
         buffer_copy_bytes=copies if any(copies) else (),
         random_stages=random,
+        grad_made=_parameter_ids(model, made),
     )
+
+
+def _parameter_ids(model: nn.Module, positions: Sequence[frozenset[int]]) -> tuple:
+    """Per stage, the ids of ``model``'s parameters at ``positions`` in ``model.parameters()``
+    (measured there, under fake tensors on the fakes in their places)."""
+    params = list(model.parameters())
+    return tuple(frozenset(id(params[i]) for i in stage) for stage in positions)
 
 
 def compile_stages(
@@ -587,10 +601,12 @@ def _measure_chain(
     tuple[tuple[int, int], ...],
     int,
     tuple[int, ...],
+    tuple[frozenset[int], ...],
 ]:
     """``calls``: what runs each stage (:func:`compile_stages`: a compiled one is measured by
     :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last items are
-    :attr:`Captured.external_bytes` and :attr:`Captured.random_stages`."""
+    :attr:`Captured.external_bytes`, :attr:`Captured.random_stages` and per stage the positions
+    in ``model.parameters()`` of :attr:`StageCost.grad_made`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -766,6 +782,7 @@ def _measure_chain(
         tuple(c.small_scratch_bytes for c in costs),
         sum(external.values()),
         tuple(i + 1 for i, c in enumerate(costs) if c.random),
+        tuple(c.grad_made for c in costs),
     )
 
 
@@ -859,6 +876,7 @@ def measure_stage(
         bwd_peak = tracker.window_peak - start_bwd + scratch - grad_bytes
         # parameter gradients start at None (reset), so the two windows share their base
         grad_rise = max(0, tracker.window_peak_with_grads - tracker.window_peak)
+        grad_made = _grads_made(params)
         del seed, seed_grad
         # NOTE [ Forward without grad ]: the same forward without grad (a checkpointed
         # segment's, F_none) frees its intermediates as it goes, but several may be live at
@@ -898,6 +916,7 @@ def measure_stage(
         random=made.random,
         seeded_layouts=seeded,
         input_grad_layouts=input_grads.layouts,
+        grad_made=grad_made,
     )
     return cost, next_input
 
@@ -999,6 +1018,7 @@ def measure_compiled_stage(
             seed.backward()
     del seed
     made = unique_storage_bytes(p.grad for p in params if p.grad is not None)
+    grad_made = _grads_made(params)
     if fwd_alloc.peak_bytes is None or bwd_alloc.peak_bytes is None:
         raise RuntimeError(
             "capture(compile=...) counts a compiled stage's memory with the allocator's own "
@@ -1022,8 +1042,21 @@ def measure_compiled_stage(
         random=random,
         seeded_layouts=seeded,
         input_grad_layouts=input_grads.layouts,
+        grad_made=grad_made,
     )
     return cost, next_input
+
+
+def _grads_made(params: Sequence[torch.Tensor]) -> frozenset[int]:
+    """NOTE [ The gradients a stage's backward makes ]: the positions in ``params`` of those
+    with a gradient after a stage's backward (they start at None). A parameter's gradient is
+    counted from the backward that makes it (:func:`remat.auto.stage_grad_bytes`), and which
+    stage's that is can only be seen: a parameter on the model itself that the code before its
+    blocks reads (timm ViT's ``pos_embed`` and ``cls_token``) belongs to no stage's module, and
+    counted with the stage after the blocks, whose backward runs first, it was counted in the
+    gradients of the stage before the blocks twice (8,448 B, the whole step predicted that much
+    above what it measured, and a budget its plan met refused)."""
+    return frozenset(i for i, p in enumerate(params) if p.grad is not None)
 
 
 def _external_saved(
