@@ -144,3 +144,48 @@ def test_timm_vits_whole_step_is_predicted_to_the_byte_at_its_chains_least() -> 
     plan = plan_for_step(chain, costs, least, "optimal-time")
     planned = apply(model, plan, stages=captured.stages)
     assert conformance._measure(loop, planned, opt) == least
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model_name": "deit_tiny_distilled_patch16_224"},  # a distillation token too
+        {"model_name": "vit_small_patch16_224", "reg_tokens": 4},  # register tokens
+    ],
+    ids=["deit-distilled", "vit-registers"],
+)
+def test_timm_vits_with_more_tokens_of_their_own_are_predicted_to_the_byte(kwargs: dict) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        **kwargs,
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=3,
+        num_heads=2,
+        num_classes=10,
+    )
+    x = torch.randn(4, 3, 32, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        out = m(b)
+        return (out[0] if isinstance(out, tuple) else out).square().mean()
+
+    captured = capture(model, x, loss_fn=loss)
+    assert captured.stages.kind == GENERIC_KIND
+    blind = dataclasses.replace(captured, grad_made=())
+    for plan in (Plan.none(captured.chain), Plan.every_stage(captured.chain)):
+        planned = apply(model, plan, stages=captured.stages)
+
+        def step(planned: nn.Module = planned) -> None:
+            loss(planned, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        measured = step_peak_bytes(step, planned, opt, x)
+        assert predicted_step_peak_bytes(model, captured, plan, opt) == measured, plan.describe()
+        # before: the model's own tokens and position embeddings counted twice
+        assert predicted_step_peak_bytes(model, blind, plan, opt) > measured
