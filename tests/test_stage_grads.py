@@ -68,11 +68,12 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measured(model: nn.Module, plan: Plan, captured, x, opt) -> int:  # noqa: ANN001
+def _measured(model: nn.Module, plan: Plan, captured, x, opt, loss=_loss) -> int:  # noqa: ANN001
+    """The measured peak of a training step (SGD or AdamW) of ``plan`` applied to ``model``."""
     planned = apply(model, plan, stages=captured.stages)
 
     def step() -> None:
-        _loss(planned, x).backward()
+        loss(planned, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -178,14 +179,7 @@ def test_timm_vits_with_more_tokens_of_their_own_are_predicted_to_the_byte(kwarg
     assert captured.stages.kind == GENERIC_KIND
     blind = dataclasses.replace(captured, grad_made=())
     for plan in (Plan.none(captured.chain), Plan.every_stage(captured.chain)):
-        planned = apply(model, plan, stages=captured.stages)
-
-        def step(planned: nn.Module = planned) -> None:
-            loss(planned, x).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        measured = step_peak_bytes(step, planned, opt, x)
+        measured = _measured(model, plan, captured, x, opt, loss)
         assert predicted_step_peak_bytes(model, captured, plan, opt) == measured, plan.describe()
         # before: the model's own tokens and position embeddings counted twice
         assert predicted_step_peak_bytes(model, blind, plan, opt) > measured
