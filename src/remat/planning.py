@@ -9,6 +9,7 @@ whole step through :func:`plan_for_step`; ``remat.api`` re-exports this module's
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -320,7 +321,7 @@ def plan_for_step(
 
     Pure and deterministic: same inputs, same plan.
     """
-    space = _Space(structure, costs, method)
+    space = _space(structure, costs, method)
     if budget is None:
         return space.least_memory_within_one_forward()
     return _search(space, parse_bytes(budget))
@@ -337,7 +338,7 @@ def least_step_plan(
     parameter gradients (:func:`weighted_time_least_plan`) and store-everything;
     a graph's is the planner's plan at the least activation peak it names, Re-forwarding's
     least-memory plan and store-everything."""
-    space = _Space(structure, costs, method)
+    space = _space(structure, costs, method)
     return min(((p, space.peak(p)) for p in space.floor()), key=lambda pp: pp[1])
 
 
@@ -346,8 +347,52 @@ def step_candidates(
 ) -> list[Plan]:
     """The budget-independent plans :func:`plan_for_step` always weighs (step 3 there): a
     budget that one of them meets is never refused."""
-    space = _Space(structure, costs, method)
+    space = _space(structure, costs, method)
     return [*space.candidates(), *space.floor()]
+
+
+KEPT = 8
+"""How many searches (:class:`_Space`: one structure, step costs and planner) and step
+descents the planning layer keeps, so that the next call with equal inputs reuses them."""
+
+
+class _Recent:
+    """The :data:`KEPT` latest results of a pure function, by their (hashable) inputs."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[Any, Any] = OrderedDict()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        try:
+            hash(key)
+        except TypeError:  # inputs holding something unhashable: made afresh
+            return make()
+        if key not in self._kept:
+            self._kept[key] = make()
+            while len(self._kept) > KEPT:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(key)
+        return self._kept[key]
+
+
+_spaces = _Recent()
+_descents = _Recent()
+
+
+def _space(structure: Structure, costs: StepCosts, method: str | None) -> _Space:
+    """The search over ``structure``'s plans with ``costs`` and ``method``: the one an earlier
+    call with equal inputs made (the :data:`KEPT` latest are kept), else a new one.
+
+    The search is pure, so a kept one gives what a new one would, without making its plans
+    again: the floor (a chain's unit-time plans and the step descent from them, a graph's
+    least-peak MILP) and the planner's plan at each activation budget the bisection tried.
+    :func:`remat.auto` and :func:`remat.fit` plan one captured structure at many budgets (a
+    budget lowered by what a compiled graph measured over, a re-plan, a 1-byte refusal then the
+    named minimum); a test re-planning a 12-stage chain 35 times spent 28 s of its 86 s in the
+    descent it made anew each time."""
+    kind = "chain" if isinstance(structure, Chain) else "graph"
+    key = (structure, costs, method or DEFAULT_METHOD[kind])
+    return _spaces.get(key, lambda: _Space(structure, costs, method))
 
 
 class _Space:
@@ -364,6 +409,7 @@ class _Space:
         self.method = method or DEFAULT_METHOD["chain" if self.is_chain else "graph"]
         self._peaks: dict[int, tuple[Plan, int]] = {}
         self._floor: list[Plan] | None = None
+        self._at: dict[int, Plan | None] = {}
 
     # ------------------------------------------------------------------ costs
     def peak(self, p: Plan) -> int:
@@ -381,6 +427,11 @@ class _Space:
         planner, a graph planner's least-peak plan (:meth:`graph_least`)."""
         if activation_budget <= 0:
             return None
+        if activation_budget not in self._at:
+            self._at[activation_budget] = self._plan_at(activation_budget)
+        return self._at[activation_budget]
+
+    def _plan_at(self, activation_budget: int) -> Plan | None:
         if self.is_chain:
             try:
                 return plan_chain(self.structure, self.method, activation_budget)  # type: ignore[arg-type]
@@ -597,17 +648,24 @@ def step_descent(
     middle stages alone (what checkpointing every block does there) peaks at 60,555,192 B. On
     Hugging Face T5 the MILP's least-activation plan steps at 531,980 B, and the same plan with
     the encoder's final layer norm recomputed too at 522,120 B.
-    Stamped with ``method`` and ``params["step_descent"]``."""
+    Stamped with ``method`` and ``params["step_descent"]``.
+
+    As it reads no time, the walk is kept (:class:`_Recent`) by the structure's bytes: two
+    captures of one model differ in their measured times only, and a 116-node graph's walk took
+    12 s."""
     if isinstance(structure, Chain):
         n = structure.n
         chain_starts = [
             tuple((s.start, s.stop, s.checkpoint) for s in p.chain_segments(n)) for p in starts
         ]
-        best = _descend(
-            chain_starts,
-            _chain_neighbours,
-            lambda s: step_peak_of(structure, _flat(s), costs),
-            steps,
+        best = _descents.get(
+            (_on_unit_times(structure), costs, tuple(chain_starts), steps),
+            lambda: _descend(
+                chain_starts,
+                _chain_neighbours,
+                lambda s: step_peak_of(structure, _flat(s), costs),
+                steps,
+            ),
         )  # type: ignore[arg-type]
         if best is None:
             return None
@@ -619,7 +677,10 @@ def step_descent(
     def graph_peak(segs: tuple[tuple[int, ...], ...]) -> int:
         return step_peak_of(graph, Plan.from_segments(segs), costs)
 
-    found_segs = _descend(graph_starts, lambda s: _graph_neighbours(graph, s), graph_peak, steps)
+    found_segs = _descents.get(
+        (_on_unit_times(graph), costs, tuple(graph_starts), steps),
+        lambda: _descend(graph_starts, lambda s: _graph_neighbours(graph, s), graph_peak, steps),
+    )
     if found_segs is None:
         return None
     plan = Plan.from_segments(found_segs, method=method, params={"step_descent": True})
