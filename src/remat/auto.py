@@ -87,6 +87,7 @@ from remat.measure.events import (
     device_library_bytes,
     garbage_collected,
     interleaved_times,
+    older_objects_frozen,
     step_peak_bytes,
 )
 from remat.measure.profile import default_loss_fn, optimizer_costs
@@ -655,6 +656,7 @@ def _auto_graph(
 
     margin = _loss_margin(loss_fn, measure_loss)
 
+    @older_objects_frozen()
     def replan(*args: Any, **kwargs: Any) -> tuple[Plan, Any]:
         # (always the call's arguments and call_loss: the graph executor runs a graph traced
         # from the call it is given, and checks it; _auto's re-plan takes the user's loss where
@@ -946,6 +948,7 @@ def _for_new_inputs(args: tuple, kwargs: dict, live: bool = False) -> Iterator[N
         ) from err
 
 
+@older_objects_frozen()
 def auto(
     model: nn.Module,
     batch: Any,
@@ -1194,6 +1197,7 @@ def _auto(
     last: list[Any] = [None, None, None]
     before = _GraphsBefore()  # every one graph measured, its whole step (the same NOTE)
 
+    @older_objects_frozen()
     def replan(*args: Any, **kwargs: Any) -> Plan:
         def with_margin(new: Captured) -> Captured:
             held = margin(new.chain.input_bytes)

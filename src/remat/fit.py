@@ -100,6 +100,7 @@ from remat.measure.events import (
     device_library_bytes,
     interleaved_times,
     median_ratio,
+    older_objects_frozen,
     step_peak_bytes,
     unique_storage_bytes,
 )
@@ -451,6 +452,7 @@ class FitSetup:
 
 
 # ---------------------------------------------------------------------- entry points
+@older_objects_frozen()
 def fit(
     model: nn.Module,
     batch: Any,

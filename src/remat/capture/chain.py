@@ -104,6 +104,7 @@ from remat.measure.events import (
     HeldPastStep,
     criterion_input_bytes,
     garbage_collected,
+    older_objects_frozen,
     output_tensors,
     unique_storage_bytes,
 )
@@ -258,6 +259,7 @@ def capture_chain(
     return capture(model, batch, loss_fn, stages, fake, repeats, progress, time_model).chain
 
 
+@older_objects_frozen()
 def capture(
     model: nn.Module,
     batch: Any,

@@ -123,6 +123,7 @@ from remat.measure.events import (
     allocation_bytes,
     criterion_input_bytes,
     garbage_collected,
+    older_objects_frozen,
     output_tensors,
     scratch_bytes,
     small_scratch_bytes,
@@ -249,6 +250,7 @@ class GraphTrace:
     (fake tensors, ``costs=False``)."""
 
 
+@older_objects_frozen()
 def capture_graph(
     model: nn.Module,
     batch: Any,

@@ -78,7 +78,7 @@ from remat.core.errors import UnsupportedModelError
 from remat.core.schema import read_schema
 from remat.core.units import format_bytes
 from remat.guards import BatchCopy
-from remat.measure.events import AllocatorWindow
+from remat.measure.events import AllocatorWindow, older_objects_frozen
 
 __all__ = [
     "CATEGORIES",
@@ -337,6 +337,7 @@ def format_memory_report(report: MemoryReport) -> str:
 
 
 # ---------------------------------------------------------------------- entry point
+@older_objects_frozen()
 def profile(
     model: nn.Module,
     batch: Any,
