@@ -8,8 +8,8 @@ whole step through :func:`plan_for_step`; ``remat.api`` re-exports this module's
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -356,27 +356,12 @@ KEPT = 8
 descents the planning layer keeps, so that the next call with equal inputs reuses them."""
 
 
-class _Recent:
-    """The :data:`KEPT` latest results of a pure function, by their (hashable) inputs."""
-
-    def __init__(self) -> None:
-        self._kept: OrderedDict[Any, Any] = OrderedDict()
-
-    def get(self, key: Any, make: Callable[[], Any]) -> Any:
-        try:
-            hash(key)
-        except TypeError:  # inputs holding something unhashable: made afresh
-            return make()
-        if key not in self._kept:
-            self._kept[key] = make()
-            while len(self._kept) > KEPT:
-                self._kept.popitem(last=False)
-        self._kept.move_to_end(key)
-        return self._kept[key]
-
-
-_spaces = _Recent()
-_descents = _Recent()
+def _hashable(*parts: Any) -> bool:
+    try:
+        hash(parts)
+    except TypeError:  # (inputs holding something unhashable are searched afresh)
+        return False
+    return True
 
 
 def _space(structure: Structure, costs: StepCosts, method: str | None) -> _Space:
@@ -390,9 +375,15 @@ def _space(structure: Structure, costs: StepCosts, method: str | None) -> _Space
     budget lowered by what a compiled graph measured over, a re-plan, a 1-byte refusal then the
     named minimum); a test re-planning a 12-stage chain 35 times spent 28 s of its 86 s in the
     descent it made anew each time."""
+    if not _hashable(structure, costs):
+        return _Space(structure, costs, method)
     kind = "chain" if isinstance(structure, Chain) else "graph"
-    key = (structure, costs, method or DEFAULT_METHOD[kind])
-    return _spaces.get(key, lambda: _Space(structure, costs, method))
+    return _kept_space(structure, costs, method or DEFAULT_METHOD[kind])
+
+
+@functools.lru_cache(maxsize=KEPT)
+def _kept_space(structure: Structure, costs: StepCosts, method: str) -> _Space:
+    return _Space(structure, costs, method)
 
 
 class _Space:
@@ -650,7 +641,7 @@ def step_descent(
     the encoder's final layer norm recomputed too at 522,120 B.
     Stamped with ``method`` and ``params["step_descent"]``.
 
-    As it reads no time, the walk is kept (:class:`_Recent`) by the structure's bytes: two
+    As it reads no time, the walk is kept (:func:`_walk`) by the structure's bytes: two
     captures of one model differ in their measured times only, and a 116-node graph's walk took
     12 s."""
     if isinstance(structure, Chain):
@@ -658,15 +649,7 @@ def step_descent(
         chain_starts = [
             tuple((s.start, s.stop, s.checkpoint) for s in p.chain_segments(n)) for p in starts
         ]
-        best = _descents.get(
-            (_on_unit_times(structure), costs, tuple(chain_starts), steps),
-            lambda: _descend(
-                chain_starts,
-                _chain_neighbours,
-                lambda s: step_peak_of(structure, _flat(s), costs),
-                steps,
-            ),
-        )  # type: ignore[arg-type]
+        best = _walk(structure, costs, chain_starts, steps)
         if best is None:
             return None
         found = replace(_flat(best), method=method, params={"step_descent": True})
@@ -674,18 +657,39 @@ def step_descent(
     graph = structure
     graph_starts = [tuple(seg.nodes for seg in p.segments) for p in starts]  # type: ignore[union-attr]
 
-    def graph_peak(segs: tuple[tuple[int, ...], ...]) -> int:
-        return step_peak_of(graph, Plan.from_segments(segs), costs)
-
-    found_segs = _descents.get(
-        (_on_unit_times(graph), costs, tuple(graph_starts), steps),
-        lambda: _descend(graph_starts, lambda s: _graph_neighbours(graph, s), graph_peak, steps),
-    )
+    found_segs = _walk(graph, costs, graph_starts, steps)
     if found_segs is None:
         return None
     plan = Plan.from_segments(found_segs, method=method, params={"step_descent": True})
     sim = simulate_graph(graph, plan)
     return stamp(plan, sim, method, None).made_for(graph)
+
+
+def _walk(structure: Structure, costs: StepCosts, starts: list[Any], steps: int) -> Any:
+    """:func:`_descend` from ``starts`` over ``structure``'s flat plans (chain segments or graph
+    segments) on its whole-step peaks, kept by the structure on unit times (the walk reads no
+    time); made afresh where an input is unhashable."""
+    untimed, kept = _on_unit_times(structure), tuple(starts)
+    if not _hashable(untimed, costs, kept):
+        return _untimed_walk.__wrapped__(untimed, costs, kept, steps)
+    return _untimed_walk(untimed, costs, kept, steps)
+
+
+@functools.lru_cache(maxsize=KEPT)
+def _untimed_walk(untimed: Structure, costs: StepCosts, starts: tuple[Any, ...], steps: int) -> Any:
+    if isinstance(untimed, Chain):
+        return _descend(
+            list(starts),
+            _chain_neighbours,
+            lambda s: step_peak_of(untimed, _flat(s), costs),
+            steps,
+        )
+    graph = untimed
+
+    def graph_peak(segs: tuple[tuple[int, ...], ...]) -> int:
+        return step_peak_of(graph, Plan.from_segments(segs), costs)
+
+    return _descend(list(starts), lambda s: _graph_neighbours(graph, s), graph_peak, steps)
 
 
 def _descend(
