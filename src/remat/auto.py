@@ -442,6 +442,7 @@ def scalar_costs(
         "forward_kept_bytes": kept if any(kept) else (),
         "recompute_kept_bytes": () if graph else captured.recompute_kept_bytes,
         "buffer_copy_bytes": () if graph else captured.buffer_copy_bytes,
+        "carried_grads": () if graph else captured.carried_grads,
         "op_scratch_bytes": small if any(f or b for f, b in small) else (),
         "loss_bytes": allocated_bytes(captured.loss_bytes, device),
     }
@@ -1162,6 +1163,20 @@ def _auto(
                 return _auto_graph(model, batch, loss_fn, budget, optimizer, why, loop, fake)
             except BudgetTooSmallError as graph_err:
                 raise (err if err.minimum_bytes <= graph_err.minimum_bytes else graph_err) from None
+            except UnsupportedModelError as graph_err:
+                # the module graph cannot be captured (a custom autograd.Function): the chain's
+                # least is the least, and the refusal says why nothing goes lower
+                graph_why = (
+                    "the module graph, which may go lower than the chain of stages, could not "
+                    f"be planned: {str(graph_err).splitlines()[0]}"
+                )
+                raise BudgetTooSmallError(
+                    err.budget_bytes,
+                    err.minimum_bytes,
+                    err.method,
+                    f"{err.detail}; {graph_why}" if err.detail else graph_why,
+                    kind=err.kind,
+                ) from None
     spec = _replan_budget(budget, total)
     call_args, call_kwargs, called = _model_call(model, loss_fn or default_loss_fn, batch)
     example = (call_args, call_kwargs)

@@ -652,6 +652,40 @@ MODELS: dict[str, ModelEntry] = {
             _classifier(_tv_resnet_frozen, 64, 8),
             _resnet_blocks,
         ),
+        # found in session 38, each with a capture fault (tests/test_carried_grads.py): BLOOM's
+        # training GeLU is a custom autograd.Function; DeBERTa hands every block a relative
+        # embedding that requires grad
+        ModelEntry(
+            "hf-bloom",
+            "decoder LM",
+            _causal_lm(
+                "BloomForCausalLM",
+                "BloomConfig",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                n_layer=2,
+                n_head=4,
+                hidden_dropout=0.1,
+                attention_dropout=0.1,
+            ),
+        ),
+        ModelEntry(
+            "hf-deberta",
+            "encoder",
+            _seq_cls(
+                "DebertaV2ForSequenceClassification",
+                "DebertaV2Config",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=64,
+                relative_attention=True,
+                pos_att_type=["p2c", "c2p"],
+                max_relative_positions=16,
+            ),
+        ),
     ]
 }
 

@@ -181,6 +181,9 @@ class Captured:
     grad_made: tuple[frozenset[int], ...] = ()
     """Per stage, the ids of the model's parameters whose gradients its backward made, as
     measured (NOTE [ The gradients a stage's backward makes ]); empty when unknown."""
+    carried_grads: tuple[tuple[int, int, int], ...] = ()
+    """``(maker, last, bytes)`` per carried tensor that requires grad (NOTE [ The gradient of
+    a carried tensor ]): stages from 0; :attr:`remat.core.step.StepCosts.carried_grads`."""
     random_stages: tuple[int, ...] = ()
     """The stages (numbers from 1) whose forward draws random numbers (:attr:`StageCost.random`:
     dropout). remat's executor replays them when it recomputes; torch's partitioner below its
@@ -240,6 +243,13 @@ class StageCost:
     input_grad_layouts: tuple[Layout | None, ...] = ()
     """The layouts of the gradients its backward made for its inputs that require grad, in
     order (None: no gradient reached that input)."""
+    passed_through: tuple[tuple[int, int, int], ...] = ()
+    """``(input, output, bytes)``: the positions (in the flattened tensors of its input and
+    output) and bytes of each input tensor that requires grad it returns unchanged: a carried
+    tensor (NOTE [ The gradient of a carried tensor ])."""
+    grad_inputs: tuple[int, ...] = ()
+    """The positions (in the flattened tensors of its input) of the inputs that require grad:
+    the order of ``input_grad_layouts``."""
     grad_made: frozenset[int] = frozenset()
     """Positions in the ``params`` it was measured with of the parameters whose gradients its
     backward made (NOTE [ The gradients a stage's backward makes ])."""
@@ -331,7 +341,7 @@ def _capture(
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
-            chain, rises, output, kept, small, external, random, made = _measure_chain(
+            chain, rises, output, kept, small, external, random, made, carried = _measure_chain(
                 model, split, fake_batch, loss_fn, True, repeats, progress, time_model
             )
     else:
@@ -345,7 +355,7 @@ def _capture(
             # dynamo guards on that global state, and each stage was compiled twice)
             with torch.random.fork_rng(devices=devices), no_autocast_cache():
                 calls = None if compile is None else compile_stages(split, compile, eager_stages)
-                chain, rises, output, kept, small, external, random, made = _measure_chain(
+                chain, rises, output, kept, small, external, random, made, carried = _measure_chain(
                     model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
                 )
             copies = writes.written_bytes()
@@ -367,6 +377,7 @@ def _capture(
         buffer_copy_bytes=copies if any(copies) else (),
         random_stages=random,
         grad_made=_parameter_ids(model, made),
+        carried_grads=carried,
     )
 
 
@@ -604,11 +615,13 @@ def _measure_chain(
     int,
     tuple[int, ...],
     tuple[frozenset[int], ...],
+    tuple[tuple[int, int, int], ...],
 ]:
     """``calls``: what runs each stage (:func:`compile_stages`: a compiled one is measured by
     :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last items are
     :attr:`Captured.external_bytes`, :attr:`Captured.random_stages` and per stage the positions
-    in ``model.parameters()`` of :attr:`StageCost.grad_made`."""
+    in ``model.parameters()`` of :attr:`StageCost.grad_made`, and
+    :attr:`Captured.carried_grads`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -745,6 +758,15 @@ def _measure_chain(
                 saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
                 carried[j] += nbytes
     input_bytes += sum(carried)
+    # NOTE [ The gradient of a carried tensor ]: a carried tensor that requires grad (DeBERTa's
+    # relative-position embeddings, a layer norm of a parameter made before the blocks) gets a
+    # gradient from each block's backward; autograd adds them up in one buffer that lives from
+    # the last block's backward to the backward of the stage that made the tensor. A stage
+    # measured alone counts the gradient its backward gives an input as a gradient, not as
+    # its bytes, and the chain's delta is the hidden state's only, so the buffer was counted
+    # nowhere: a tiny DeBERTa measured 4,096 B (that buffer) above the prediction at every
+    # plan, and over a budget set between the two. StepCosts.carried_grads counts it
+    carried_grads = _carried_grads(costs)
     # the leading stages whose output needs no gradient (frozen layers on a batch without
     # gradient) have no backward: Chain.frozen_prefix
     frozen = next((i for i, needs in enumerate(trains) if needs), n)
@@ -785,7 +807,39 @@ def _measure_chain(
         sum(external.values()),
         tuple(i + 1 for i, c in enumerate(costs) if c.random),
         tuple(c.grad_made for c in costs),
+        carried_grads,
     )
+
+
+def _carried_grads(costs: Sequence[StageCost]) -> tuple[tuple[int, int, int], ...]:
+    """:attr:`Captured.carried_grads`: per tensor that requires grad, made by a stage and
+    returned unchanged by the next one or more (:attr:`StageCost.passed_through`),
+    ``(maker, last, bytes)``: the stage that makes it, the last stage whose backward gave it
+    a gradient, and its bytes (NOTE [ The gradient of a carried tensor ])."""
+    out = []
+    for j in range(len(costs) - 1):
+        # outputs of stage j that stage j + 1 returns unchanged and stage j did not get
+        got = {q for _, q, _ in costs[j].passed_through}
+        for p, _, nbytes in costs[j + 1].passed_through:
+            if p in got:
+                continue
+            takers = []
+            i, pos = j + 1, p
+            while pos is not None and i < len(costs):
+                if _grad_reached(costs[i], pos):
+                    takers.append(i)
+                pos = next((q for a, q, _ in costs[i].passed_through if a == pos), None)
+                i += 1
+            if takers and nbytes:
+                out.append((j, max(takers), nbytes))
+    return tuple(out)
+
+
+def _grad_reached(cost: StageCost, position: int) -> bool:
+    """Whether the backward of ``cost``'s stage gave its input tensor at ``position`` (in its
+    flattened input) a gradient."""
+    rank = cost.grad_inputs.index(position) if position in cost.grad_inputs else -1
+    return 0 <= rank < len(cost.input_grad_layouts) and cost.input_grad_layouts[rank] is not None
 
 
 def measure_stage(
@@ -861,6 +915,7 @@ def measure_stage(
         saved_bytes = sum(kept.values()) - sum(external.values())
         seed, grad_bytes = _seed(out_tensors, grad_layouts)
         seeded = _seeded(out_tensors, grad_layouts)
+        passed_through = _passed_through(x_tensors, out_tensors)
         # the seed's own gradient, made before the window: a whole step has no such tensor
         seed_grad = None if seed is None else torch.ones_like(seed)
         # the next stage gets a copy: the output itself must be free to go when autograd
@@ -919,6 +974,8 @@ def measure_stage(
         seeded_layouts=seeded,
         input_grad_layouts=input_grads.layouts,
         grad_made=grad_made,
+        passed_through=passed_through,
+        grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
     )
     return cost, next_input
 
@@ -1013,6 +1070,7 @@ def measure_compiled_stage(
     )
     seed, grad_bytes = _seed(out_tensors, grad_layouts)
     seeded = _seeded(out_tensors, grad_layouts)
+    passed_through = _passed_through(x_tensors, out_tensors)
     next_input = tree_map_only(torch.Tensor, _fresh_copy, out)
     del out, out_tensors
     with bwd_alloc, _InputGradLayouts(x_tensors) as input_grads:
@@ -1045,6 +1103,8 @@ def measure_compiled_stage(
         seeded_layouts=seeded,
         input_grad_layouts=input_grads.layouts,
         grad_made=grad_made,
+        passed_through=passed_through,
+        grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
     )
     return cost, next_input
 
@@ -1212,6 +1272,23 @@ class _Enter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+
+def _passed_through(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+) -> tuple[tuple[int, int, int], ...]:
+    """:attr:`StageCost.passed_through`: the inputs that require grad and come out on their own
+    storage, whole, as outputs (positions in ``inputs`` and ``outputs``, bytes)."""
+    where = {
+        (t.untyped_storage()._cdata, t.storage_offset(), t.shape): i
+        for i, t in enumerate(inputs)
+        if t.requires_grad
+    }
+    return tuple(
+        (where[key], q, t.numel() * t.element_size())
+        for q, t in enumerate(outputs)
+        if (key := (t.untyped_storage()._cdata, t.storage_offset(), t.shape)) in where
+    )
 
 
 def _fresh_copy(t: torch.Tensor) -> torch.Tensor:

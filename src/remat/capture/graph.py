@@ -760,7 +760,11 @@ def _record(
         # go (st.released). An input that is no node output is kept as it is: MemTracker would
         # count an alias of a storage no op made (a label tensor the loss holds) as new bytes.
         if key in st.holders or (st.current is not None and key not in st.current.arg_keys):
-            return t.detach()
+            # not a call of the model's: a custom autograd.Function's save_for_backward packs
+            # while the recorder is on (BLOOM's GeLUFunction), and a recorded ``detach`` the
+            # timed step does not make refused the model as not deterministic in its calls
+            with torch._C.DisableTorchFunction():
+                return t.detach()
         return t
 
     def pre_hook(module: nn.Module, args: Any) -> None:
@@ -825,6 +829,8 @@ def _record(
             raise ValueError(ONE_MODEL_CALL)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
+        if st.stray_saves:  # NOTE [ Tensors saved outside every call ]
+            raise UnsupportedModelError(_saved_outside_calls(loss, st.stray_saves))
         st.loss_key = _key(st, loss)
         st.loss_bytes = _nbytes(loss)
         if costs and loss.requires_grad:
@@ -835,6 +841,47 @@ def _record(
         finalizer.detach()
     st.finalizers.clear()
     return st
+
+
+# NOTE [ Tensors saved outside every call ]
+# The recorder sees torch calls. A custom torch.autograd.Function's ``apply`` is not one: its
+# forward's calls run without grad, so they look like constants, and what its forward saves
+# (``ctx.save_for_backward``) is packed outside every recorded call. Its backward node, its
+# saved tensors and its backward's temporaries were in no node of the graph: BLOOM's training
+# GeLU (a Function saving its input) made the least plan of a tiny BLOOM run 56,332 B over its
+# budget, while its gradients were right. So a step that saves a tensor outside every call is
+# refused by the module-graph capture, naming the Functions; the chain path (which measures
+# whole stages and checkpoints them with torch.utils.checkpoint) plans such models.
+
+
+def _saved_outside_calls(loss: torch.Tensor, count: int) -> str:
+    """The error for a step whose autograd saved ``count`` tensors outside every recorded
+    call (NOTE [ Tensors saved outside every call ])."""
+    names: list[str] = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            name = type(fn).__name__.removesuffix("Backward")
+            if name not in names:
+                names.append(name)
+        stack.extend(nf for nf, _ in fn.next_functions)
+    what = (
+        f"custom torch.autograd.Function{'s' if len(names) > 1 else ''} {', '.join(names)}"
+        if names
+        else "code the graph capture does not see as torch calls"
+    )
+    return (
+        f"the step saves {count} tensor{'s' if count > 1 else ''} for the backward from {what}: "
+        "the module-graph capture records torch calls, and a Function's apply is not one, so "
+        "its saved tensors and its backward would be missing from the memory model. Plan the "
+        "model as a chain of stages (remat.auto(..., stages=[...]) naming its blocks, at a "
+        "budget the chain meets), or write that part with torch operations"
+    )
 
 
 def _kept_scalars(st: _State, loss: torch.Tensor, device: torch.device) -> None:

@@ -248,6 +248,13 @@ class StepCosts:
     """That criterion's gradient of the output, counted from the end of the forward through the
     timeline's first backward event (the model's first backward, which reads it; a
     recomputation before it included)."""
+    carried_grads: tuple[tuple[int, int, int], ...] = ()
+    """``(maker, last, bytes)`` per tensor a stage (0-based) makes and every later stage is
+    handed, that requires grad (DeBERTa's relative-position embeddings, made before the blocks
+    and read by each): its gradient, which each reading stage's backward adds to, lives from
+    the backward of ``last`` (the last stage whose backward gave it one) through the backward
+    of ``maker``; no stage's own cost holds it (NOTE [ The gradient of a carried tensor ] in
+    :mod:`remat.capture.chain`). Chains only; empty: none."""
     checkpoint_states: str = "per-segment"
     """How many of those states the executor keeps (:data:`CHECKPOINT_STATES`):
     ``"per-segment"``, one per checkpointed segment (torch's checkpoint: the chain executor), or
@@ -430,6 +437,8 @@ def event_step_bytes(
         timeline = _with_recompute_kept(timeline, costs.recompute_kept_bytes)
     if costs.loss_bytes:
         timeline = _with_loss(timeline, costs.loss_held * costs.loss_bytes)
+    if costs.carried_grads:
+        timeline = _with_carried_grads(timeline, costs.carried_grads)
     if any(f or b for f, b in costs.op_scratch_bytes):
         scratch = costs.op_scratch_bytes
         timeline = [
@@ -544,6 +553,33 @@ def _with_loss(timeline: list[StepEvent], held_bytes: int) -> list[StepEvent]:
             held = held_bytes
         out.append(e._replace(peak_bytes=e.peak_bytes + held, live_bytes=e.live_bytes + held))
     return out
+
+
+def _with_carried_grads(
+    timeline: list[StepEvent], carried: Sequence[tuple[int, int, int]]
+) -> list[StepEvent]:
+    """``timeline`` with :attr:`StepCosts.carried_grads`: each gradient in the bytes of every
+    event from the first backward event of its ``last`` stage through the first backward
+    event of its ``maker``, and in the live bytes after each of them but that last. (A stage
+    measured alone counts the gradients its backward gives its inputs as gradients, not as
+    its own bytes, and the chain counts only its hidden state's: ``delta``.)"""
+    peak = [0] * len(timeline)
+    live = [0] * len(timeline)
+    for maker, last, nbytes in carried:
+        start = next(
+            (q for q, e in enumerate(timeline) if e.backward and e.index == last), len(timeline)
+        )
+        end = next(
+            (q for q, e in enumerate(timeline) if q > start and e.backward and e.index == maker),
+            len(timeline),
+        )
+        for q in range(start, min(end + 1, len(timeline))):
+            peak[q] += nbytes
+            live[q] += nbytes if q < end else 0
+    return [
+        e._replace(peak_bytes=e.peak_bytes + p, live_bytes=e.live_bytes + v)
+        for e, p, v in zip(timeline, peak, live, strict=True)
+    ]
 
 
 def _with_criterion(timeline: list[StepEvent], costs: StepCosts) -> list[StepEvent]:
