@@ -20,6 +20,7 @@ import importlib
 
 import pytest
 import torch
+from chain_steps import five_stage_plans, measured_step
 from torch import nn
 
 from remat.auto import predicted_step_peak_bytes
@@ -27,8 +28,7 @@ from remat.capture.chain import capture
 from remat.capture.graph import trace_graph
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
 from remat.core.errors import UnsupportedModelError
-from remat.core.plan import ChainSegment, Plan
-from remat.execute.chain import apply
+from remat.core.plan import Plan
 from remat.measure.events import step_peak_bytes
 from remat.planners import BudgetTooSmallError
 
@@ -76,17 +76,6 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _measured(model: nn.Module, plan: Plan, captured, x, opt) -> int:  # noqa: ANN001
-    planned = apply(model, plan, stages=captured.stages)
-
-    def step() -> None:
-        _loss(planned, x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step_peak_bytes(step, planned, opt, x)
-
-
 def test_a_carried_tensors_gradient_is_counted_from_the_last_block_to_its_maker() -> None:
     torch.manual_seed(0)
     model = TinyDeberta()
@@ -100,18 +89,11 @@ def test_a_carried_tensors_gradient_is_counted_from_the_last_block_to_its_maker(
     # made by the stage before the blocks (0), given a gradient last by the last block (3)
     assert captured.carried_grads == ((0, 3, rel_bytes),)
 
-    plans = [Plan.none(captured.chain), Plan.every_stage(captured.chain)]
-    plans += [
-        Plan.from_chain_segments([ChainSegment(i, i, i == k) for i in range(1, n + 1)])
-        for k in (2, 3)
-    ]
-    plans.append(
-        Plan.from_chain_segments([ChainSegment(1, 1), ChainSegment(2, 4, True), ChainSegment(5, 5)])
-    )
+    plans = five_stage_plans(captured.chain, (2, 3))
     blind = dataclasses.replace(captured, carried_grads=())
     under = 0
     for plan in plans:
-        measured = _measured(model, plan, captured, x, opt)
+        measured = measured_step(model, plan, captured, x, opt, _loss)
         predicted = predicted_step_peak_bytes(model, captured, plan, opt)
         assert measured <= predicted <= measured + 4, (plan.describe(), measured, predicted)
         under = max(under, measured - predicted_step_peak_bytes(model, blind, plan, opt))

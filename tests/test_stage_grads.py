@@ -12,15 +12,15 @@ import dataclasses
 
 import pytest
 import torch
+from chain_steps import five_stage_plans, measured_step
 from torch import nn
 
 from remat.auto import predicted_step_peak_bytes, stage_grad_bytes, step_costs
 from remat.bench import conformance
 from remat.capture.chain import capture
 from remat.capture.stages.families.blocks import KIND as GENERIC_KIND
-from remat.core.plan import ChainSegment, Plan
+from remat.core.plan import Plan
 from remat.execute.chain import apply
-from remat.measure.events import step_peak_bytes
 from remat.measure.profile import default_loss_fn
 from remat.planners import BudgetTooSmallError
 from remat.planning import plan_for_step
@@ -68,18 +68,6 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measured(model: nn.Module, plan: Plan, captured, x, opt, loss=_loss) -> int:  # noqa: ANN001
-    """The measured peak of a training step (SGD or AdamW) of ``plan`` applied to ``model``."""
-    planned = apply(model, plan, stages=captured.stages)
-
-    def step() -> None:
-        loss(planned, x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step_peak_bytes(step, planned, opt, x)
-
-
 def test_a_parameter_read_before_the_blocks_is_counted_at_the_first_stage() -> None:
     torch.manual_seed(0)
     model = TinyViT()
@@ -104,17 +92,10 @@ def test_a_parameter_read_before_the_blocks_is_counted_at_the_first_stage() -> N
     assert owned[-1] == after + _bytes(model.cls_token, model.pos_embed)
 
     chain = captured.chain
-    plans = [Plan.none(chain), Plan.every_stage(chain)]
-    plans += [
-        Plan.from_chain_segments([ChainSegment(i, i, i == k) for i in range(1, n + 1)])
-        for k in (1, 3)
-    ]
-    plans.append(
-        Plan.from_chain_segments([ChainSegment(1, 1), ChainSegment(2, 4, True), ChainSegment(5, 5)])
-    )
+    plans = five_stage_plans(chain, (1, 3))
     blind = dataclasses.replace(captured, grad_made=())
     for plan in plans:
-        measured = _measured(model, plan, captured, x, opt)
+        measured = measured_step(model, plan, captured, x, opt, _loss)
         predicted = predicted_step_peak_bytes(model, captured, plan, opt)
         assert measured <= predicted <= measured + 4, (plan.describe(), measured, predicted)
     # the fault: with the modules' attribution the whole step was over-predicted by the two
@@ -179,7 +160,7 @@ def test_timm_vits_with_more_tokens_of_their_own_are_predicted_to_the_byte(kwarg
     assert captured.stages.kind == GENERIC_KIND
     blind = dataclasses.replace(captured, grad_made=())
     for plan in (Plan.none(captured.chain), Plan.every_stage(captured.chain)):
-        measured = _measured(model, plan, captured, x, opt, loss)
+        measured = measured_step(model, plan, captured, x, opt, loss)
         assert predicted_step_peak_bytes(model, captured, plan, opt) == measured, plan.describe()
         # before: the model's own tokens and position embeddings counted twice
         assert predicted_step_peak_bytes(model, blind, plan, opt) > measured

@@ -675,12 +675,7 @@ MODELS: dict[str, ModelEntry] = {
             _seq_cls(
                 "DebertaV2ForSequenceClassification",
                 "DebertaV2Config",
-                vocab_size=VOCAB,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                max_position_embeddings=64,
+                **BERT_LIKE,
                 relative_attention=True,
                 pos_att_type=["p2c", "c2p"],
                 max_relative_positions=16,
