@@ -443,6 +443,7 @@ def scalar_costs(
         "recompute_kept_bytes": () if graph else captured.recompute_kept_bytes,
         "buffer_copy_bytes": () if graph else captured.buffer_copy_bytes,
         "carried_grads": () if graph else captured.carried_grads,
+        "forward_only_bytes": 0 if graph else captured.forward_only_bytes,
         "op_scratch_bytes": small if any(f or b for f, b in small) else (),
         "loss_bytes": allocated_bytes(captured.loss_bytes, device),
     }

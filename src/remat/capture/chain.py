@@ -181,6 +181,10 @@ class Captured:
     grad_made: tuple[frozenset[int], ...] = ()
     """Per stage, the ids of the model's parameters whose gradients its backward made, as
     measured (NOTE [ The gradients a stage's backward makes ]); empty when unknown."""
+    forward_only_bytes: int = 0
+    """Bytes of the carried tensors no stage saves, in ``chain.input_bytes``: freed when the
+    forward returns where no checkpoint holds them (NOTE [ Carried tensors no stage saves ];
+    :attr:`remat.core.step.StepCosts.forward_only_bytes`)."""
     carried_grads: tuple[tuple[int, int, int], ...] = ()
     """``(maker, last, bytes)`` per carried tensor that requires grad (NOTE [ The gradient of
     a carried tensor ]): stages from 0; :attr:`remat.core.step.StepCosts.carried_grads`."""
@@ -235,6 +239,9 @@ class StageCost:
     the parameters and the buffers: a target ``loss_fn`` reads from its closure, a tensor kept
     on a module as a plain attribute. They live all step, whatever the plan: counted with the
     chain's input, not in ``saved_bytes``."""
+    packed: frozenset[int] = frozenset()
+    """Every storage its forward saved for the backward, its inputs' too (identities): which
+    carried tensors a stage saves (NOTE [ Carried tensors ])."""
     random: bool = False
     """The forward drew random numbers (:func:`draws_random`: dropout, ``randn_like``)."""
     seeded_layouts: tuple[Layout, ...] = ()
@@ -341,8 +348,10 @@ def _capture(
     copies: tuple[int, ...] = ()  # not known under fake tensors
     if fake:
         with fake_step(model, batch) as (mode, fake_batch, _), mode, ScratchProbe():
-            chain, rises, output, kept, small, external, random, made, carried = _measure_chain(
-                model, split, fake_batch, loss_fn, True, repeats, progress, time_model
+            chain, rises, output, kept, small, external, random, made, carried, only = (
+                _measure_chain(
+                    model, split, fake_batch, loss_fn, True, repeats, progress, time_model
+                )
             )
     else:
         buffers = BufferSnapshot(model)
@@ -355,8 +364,10 @@ def _capture(
             # dynamo guards on that global state, and each stage was compiled twice)
             with torch.random.fork_rng(devices=devices), no_autocast_cache():
                 calls = None if compile is None else compile_stages(split, compile, eager_stages)
-                chain, rises, output, kept, small, external, random, made, carried = _measure_chain(
-                    model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
+                chain, rises, output, kept, small, external, random, made, carried, only = (
+                    _measure_chain(
+                        model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
+                    )
                 )
             copies = writes.written_bytes()
         finally:
@@ -378,6 +389,7 @@ def _capture(
         random_stages=random,
         grad_made=_parameter_ids(model, made),
         carried_grads=carried,
+        forward_only_bytes=only,
     )
 
 
@@ -616,12 +628,13 @@ def _measure_chain(
     tuple[int, ...],
     tuple[frozenset[int], ...],
     tuple[tuple[int, int, int], ...],
+    int,
 ]:
     """``calls``: what runs each stage (:func:`compile_stages`: a compiled one is measured by
     :func:`measure_compiled_stage`, its module by :func:`measure_stage`). The last items are
     :attr:`Captured.external_bytes`, :attr:`Captured.random_stages` and per stage the positions
     in ``model.parameters()`` of :attr:`StageCost.grad_made`, and
-    :attr:`Captured.carried_grads`."""
+    :attr:`Captured.carried_grads` and :attr:`Captured.forward_only_bytes`."""
     from tqdm.auto import tqdm
 
     args, kwargs, autocast = _model_call(model, loss_fn, batch)
@@ -758,6 +771,18 @@ def _measure_chain(
                 saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
                 carried[j] += nbytes
     input_bytes += sum(carried)
+    # NOTE [ Carried tensors no stage saves ]: a carried tensor no stage saves (Llama's causal
+    # mask, which the attention adds and keeps no copy of) is freed when the model's forward
+    # returns, unless a checkpoint holds it as a segment's input: counted in the chain's input,
+    # it made the store-all step of every HF decoder 8,964 B above what it measured, and a
+    # budget at the eager peak recomputed. StepCosts.forward_only_bytes
+    packed = frozenset().union(*(c.packed for c in costs))
+    forward_only = sum(
+        nbytes
+        for j in range(n - 2)
+        for key, nbytes in made[j].items()
+        if key not in packed and all(key in later for later in passed[j + 1 : n - 1])
+    )
     # NOTE [ The gradient of a carried tensor ]: a carried tensor that requires grad (DeBERTa's
     # relative-position embeddings, a layer norm of a parameter made before the blocks) gets a
     # gradient from each block's backward; autograd adds them up in one buffer that lives from
@@ -808,6 +833,7 @@ def _measure_chain(
         tuple(i + 1 for i, c in enumerate(costs) if c.random),
         tuple(c.grad_made for c in costs),
         carried_grads,
+        forward_only,
     )
 
 
@@ -873,10 +899,12 @@ def measure_stage(
     skip = dict(exclude or {})
     skip.update(_keys(x_tensors))
     saved: dict[int, int] = {}
+    packed: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         key = st._cdata
+        packed.add(key)
         if key not in skip:
             saved[key] = st.nbytes()
         return t
@@ -976,6 +1004,7 @@ def measure_stage(
         grad_made=grad_made,
         passed_through=passed_through,
         grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
+        packed=frozenset(packed),
     )
     return cost, next_input
 
@@ -1037,8 +1066,11 @@ def measure_compiled_stage(
     device = next((t.device for t in x_tensors), None)
     saved: dict[int, int] = {}
 
+    packed: set[int] = set()
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
+        packed.add(st._cdata)
         if st._cdata not in skip:
             saved[st._cdata] = st.nbytes()
         return t
@@ -1105,6 +1137,7 @@ def measure_compiled_stage(
         grad_made=grad_made,
         passed_through=passed_through,
         grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
+        packed=frozenset(packed),
     )
     return cost, next_input
 

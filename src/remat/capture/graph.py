@@ -355,7 +355,11 @@ def _trace_levels(
             ) from err
     private = BatchCopy(batch)  # the model may write into its input: never the caller's
     with _preserved(model) as replay, garbage_collected():  # NOTE [ Collect before measuring ]
-        state = _record(model, private.batch, loss_fn, costs, flops=False)
+        try:
+            state = _record(model, private.batch, loss_fn, costs, flops=False)
+        except _SavedOutsideCalls as err:
+            replay()  # (a forward that checkpoints itself saves outside the calls too)
+            raise _own_checkpoint(model, private, loss_fn) or err from None
         if costs:
             try:
                 _time_calls(model, private, loss_fn, state, repeats, replay)
@@ -383,6 +387,19 @@ def _not_repeatable(
     where it can: a forward that runs ``torch.utils.checkpoint`` itself (found by running it
     once more with saved-tensor hooks forbidden, which torch's non-reentrant checkpoint uses;
     its recomputation in the backward made the recorded step differ from the timed one)."""
+    return _own_checkpoint(model, batch, loss_fn) or UnsupportedModelError(
+        f"{err}, so remat cannot plan it: a forward that recomputes part of itself "
+        "(reentrant torch.utils.checkpoint), or that branches on random numbers or on "
+        "values, runs other calls each step"
+    )
+
+
+def _own_checkpoint(
+    model: nn.Module, batch: BatchCopy, loss_fn: LossFn
+) -> UnsupportedModelError | None:
+    """The error for a forward that runs ``torch.utils.checkpoint`` itself (found by running it
+    once more with saved-tensor hooks forbidden, which torch's non-reentrant checkpoint uses),
+    or None."""
     try:
         with torch.autograd.graph.disable_saved_tensors_hooks(_OWN_CHECKPOINT):
             loss_fn(model, batch.restore())
@@ -394,11 +411,7 @@ def _not_repeatable(
                 "plan around checkpoints it does not make. Call the layers directly (or turn "
                 "that option off); remat plans the checkpointing itself"
             )
-    return UnsupportedModelError(
-        f"{err}, so remat cannot plan it: a forward that recomputes part of itself "
-        "(reentrant torch.utils.checkpoint), or that branches on random numbers or on "
-        "values, runs other calls each step"
-    )
+    return None
 
 
 # ---------------------------------------------------------------------- recording
@@ -830,7 +843,7 @@ def _record(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         if st.stray_saves:  # NOTE [ Tensors saved outside every call ]
-            raise UnsupportedModelError(_saved_outside_calls(loss, st.stray_saves))
+            raise _SavedOutsideCalls(_saved_outside_calls(loss, st.stray_saves))
         st.loss_key = _key(st, loss)
         st.loss_bytes = _nbytes(loss)
         if costs and loss.requires_grad:
@@ -852,6 +865,11 @@ def _record(
 # budget, while its gradients were right. So a step that saves a tensor outside every call is
 # refused by the module-graph capture, naming the Functions; the chain path (which measures
 # whole stages and checkpoints them with torch.utils.checkpoint) plans such models.
+
+
+class _SavedOutsideCalls(UnsupportedModelError):
+    """The step saved tensors outside every recorded call (NOTE [ Tensors saved outside every
+    call ])."""
 
 
 def _saved_outside_calls(loss: torch.Tensor, count: int) -> str:

@@ -248,6 +248,12 @@ class StepCosts:
     """That criterion's gradient of the output, counted from the end of the forward through the
     timeline's first backward event (the model's first backward, which reads it; a
     recomputation before it included)."""
+    forward_only_bytes: int = 0
+    """Of ``input_bytes``, the tensors that live only through the forward unless a checkpoint
+    keeps them as a segment's input: what a stage makes and every later stage is handed, and
+    no stage saves (a causal mask). Left out from the first backward event on in a timeline
+    with no recomputation, and at the optimizer step (NOTE [ Carried tensors no stage saves ]
+    in :mod:`remat.capture.chain`). Chains only."""
     carried_grads: tuple[tuple[int, int, int], ...] = ()
     """``(maker, last, bytes)`` per tensor a stage (0-based) makes and every later stage is
     handed, that requires grad (DeBERTa's relative-position embeddings, made before the blocks
@@ -317,7 +323,13 @@ class StepCosts:
     def optimizer_phase_bytes(self) -> int:
         """The optimizer step: every gradient, the batch, the held output, the loss, its
         temporaries."""
-        return self.fixed_bytes + self.input_bytes + self.loss_bytes + self.optimizer_step_bytes
+        return (
+            self.fixed_bytes
+            + self.input_bytes
+            - self.forward_only_bytes
+            + self.loss_bytes
+            + self.optimizer_step_bytes
+        )
 
 
 class StepPhases(NamedTuple):
@@ -439,6 +451,8 @@ def event_step_bytes(
         timeline = _with_loss(timeline, costs.loss_held * costs.loss_bytes)
     if costs.carried_grads:
         timeline = _with_carried_grads(timeline, costs.carried_grads)
+    if costs.forward_only_bytes and not any(_recomputations(timeline)):
+        timeline = _without_after_forward(timeline, costs.forward_only_bytes)
     if any(f or b for f, b in costs.op_scratch_bytes):
         scratch = costs.op_scratch_bytes
         timeline = [
@@ -552,6 +566,20 @@ def _with_loss(timeline: list[StepEvent], held_bytes: int) -> list[StepEvent]:
         if e.backward:
             held = held_bytes
         out.append(e._replace(peak_bytes=e.peak_bytes + held, live_bytes=e.live_bytes + held))
+    return out
+
+
+def _without_after_forward(timeline: list[StepEvent], nbytes: int) -> list[StepEvent]:
+    """``timeline`` less :attr:`StepCosts.forward_only_bytes` from its first backward event on."""
+    out = []
+    backward = False
+    for e in timeline:
+        backward = backward or e.backward
+        out.append(
+            e._replace(peak_bytes=e.peak_bytes - nbytes, live_bytes=e.live_bytes - nbytes)
+            if backward
+            else e
+        )
     return out
 
 
