@@ -173,7 +173,13 @@ def test_auto_reaches_what_checkpointing_every_block_reaches(name: str) -> None:
 # and remat keeps them saved (remat.execute.chain._SaveRandomOps). MobileNetV3: batch norm and
 # dropout (0.2, in the classifier); LoRA-Llama: a frozen prefix (NOTE [ A frozen prefix in the planners ]);
 # T5: no chain, refused with what to do. The full matrix: benchmarks/conformance.py --compile
-COMPILED = {"tv-mobilenet_v3_small": "pass", "peft-lora-llama": "pass", "hf-t5": "refused"}
+# hf-bloom: a custom autograd.Function (its training GeLU) and dropout, compiled
+COMPILED = {
+    "tv-mobilenet_v3_small": "pass",
+    "peft-lora-llama": "pass",
+    "hf-t5": "refused",
+    "hf-bloom": "pass",
+}
 # The compiled cases' budgets, as fractions of the eager step's measured peak: where the matrix's
 # 50 % budgets fell (docs/results/conformance/compiled: MobileNetV3 24,376,068 B of 27,109,744 B,
 # LoRA-Llama 389,916 B of 474,312 B, RegNet 4,396,282 B of 5,055,672 B), each below what storing
@@ -181,7 +187,12 @@ COMPILED = {"tv-mobilenet_v3_small": "pass", "peft-lora-llama": "pass", "hf-t5":
 # the least that a 1-byte budget's refusal names: finding that least compiles and measures every
 # one-graph plan (MobileNetV3: 11 graphs, 100 s of the case's 126 s). The compiled least is
 # accepted in tests/test_compile.py (LoRA, an MLP) and by the benchmark (--fractions 0).
-EAGER_FRACTION = {"tv-mobilenet_v3_small": 0.9, "peft-lora-llama": 0.82, "tv-regnet": 0.87}
+EAGER_FRACTION = {
+    "tv-mobilenet_v3_small": 0.9,
+    "peft-lora-llama": 0.82,
+    "tv-regnet": 0.87,
+    "hf-bloom": 0.8,  # 749,481 B of 936,852 B (its compiled least: 664,968 B)
+}
 
 
 def _compiled_case(name: str) -> conf.Record:
