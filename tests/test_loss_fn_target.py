@@ -58,3 +58,31 @@ def test_a_target_in_the_loss_fns_closure_is_counted_all_step_on_the_chain_path(
         measured = step_peak_bytes(step, planned, None, (x, y))
         predicted = predicted_step_peak_bytes(model, captured, plan.for_chain(captured.chain))
         assert measured <= predicted <= measured + 64, (plan, measured, predicted)
+
+
+def test_a_closure_target_that_is_the_batch_is_counted_once() -> None:
+    """Labels read from the closure that are the batch tensor itself (a causal LM's labels are
+    its input_ids): the capture runs on a private copy of the batch, where they looked like a
+    tensor of their own that the loss stage saved (512 B over on each Hugging Face decoder of
+    the conformance suite); they are the batch, counted once."""
+    model = _model()
+    x = torch.randn(N, W)
+    y = x  # the target is the batch
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (m(batch)[:, :W] * y).mean()
+
+    captured = capture(model, x, loss_fn=loss_fn)
+    assert captured.chain.input_bytes == x.nbytes
+    assert captured.external_bytes == 0
+    assert captured.chain.saved_bytes[-1] < x.nbytes  # (the target is not among them)
+    for plan in (Plan.none(), Plan.every_stage(captured.chain)):
+        planned = apply(model, plan, stages=captured.stages)
+
+        def step(planned: nn.Module = planned) -> None:
+            loss_fn(planned, x).backward()
+            planned.zero_grad(set_to_none=True)
+
+        measured = step_peak_bytes(step, planned, None, x)
+        predicted = predicted_step_peak_bytes(model, captured, plan.for_chain(captured.chain))
+        assert measured <= predicted <= measured + 64, (plan, measured, predicted)

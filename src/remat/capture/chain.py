@@ -366,7 +366,15 @@ def _capture(
                 calls = None if compile is None else compile_stages(split, compile, eager_stages)
                 chain, rises, output, kept, small, external, random, made, carried, only = (
                     _measure_chain(
-                        model, split, private.batch, loss_fn, False, repeats, progress, calls=calls
+                        model,
+                        split,
+                        private.batch,
+                        loss_fn,
+                        False,
+                        repeats,
+                        progress,
+                        calls=calls,
+                        callers=batch,
                     )
                 )
             copies = writes.written_bytes()
@@ -618,6 +626,7 @@ def _measure_chain(
     progress: bool,
     time_model: TimeModel | None = None,
     calls: Sequence[Callable[[Any], Any]] | None = None,
+    callers: Any = None,
 ) -> tuple[
     Chain,
     tuple[int, ...],
@@ -647,6 +656,10 @@ def _measure_chain(
     fixed = _keys([*model.parameters(), *model.buffers()])
     outside = _keys([*_tensors(batch), *_tensors((args, kwargs)), *_tensors(a0)])
     input_bytes = sum(outside.values())
+    # the caller's own batch tensors, of which ``batch`` is a copy: a loss_fn that reads one
+    # from its closure (labels that are the batch's input_ids) reads the batch, counted above
+    # (the last stage counted it as a tensor it saved: 512 B over on each HF decoder here)
+    fixed = fixed | {k: 0 for k in _keys(_tensors(callers))}
     skip = fixed | outside
     params = list(model.parameters())
     for p in params:
