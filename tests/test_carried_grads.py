@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -42,8 +43,8 @@ auto = importlib.import_module("remat.auto").auto
 WIDTH = 32
 
 
-class RelBlock(nn.Module):
-    """A block that reads the shared relative embedding ``rel`` (requires grad)."""
+class _Block(nn.Module):
+    """A pre-norm MLP block; its subclasses read a tensor made before the blocks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +53,10 @@ class RelBlock(nn.Module):
             nn.Linear(WIDTH, 64),
             nn.Linear(64, WIDTH),
         )
+
+
+class RelBlock(_Block):
+    """A block that reads the shared relative embedding ``rel`` (requires grad)."""
 
     def forward(self, x: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -81,15 +86,18 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def test_a_carried_tensors_gradient_is_counted_from_the_last_block_to_its_maker() -> None:
+def _five_stages(make: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, torch.optim.Adam, Any]:
+    """``make()``, a batch, Adam, and its capture: before the blocks, three blocks, after them."""
     torch.manual_seed(0)
-    model = TinyDeberta()
+    model = make()
     x = torch.randn(8, 16, 12)
-    opt = torch.optim.Adam(model.parameters())
     captured = capture(model, x, loss_fn=_loss)
-    assert captured.stages.kind == GENERIC_KIND
-    n = captured.chain.n
-    assert n == 5  # before the blocks, three blocks, after them
+    assert captured.stages.kind == GENERIC_KIND and captured.chain.n == 5
+    return model, x, torch.optim.Adam(model.parameters()), captured
+
+
+def test_a_carried_tensors_gradient_is_counted_from_the_last_block_to_its_maker() -> None:
+    model, x, opt, captured = _five_stages(TinyDeberta)
     rel_bytes = WIDTH * WIDTH * 4
     # made by the stage before the blocks (0), given a gradient last by the last block (3)
     assert captured.carried_grads == ((0, 3, rel_bytes),)
@@ -203,14 +211,8 @@ def test_below_the_chain_a_custom_function_is_refused_at_the_chains_least() -> N
     assert step_peak_bytes(step, planned, opt, x) <= least
 
 
-class MaskBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = (
-            nn.LayerNorm(WIDTH),
-            nn.Linear(WIDTH, 64),
-            nn.Linear(64, WIDTH),
-        )
+class MaskBlock(_Block):
+    """A block that adds the shared ``mask`` (no grad) and keeps no copy of it."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(self.norm(x)) + mask))
@@ -234,12 +236,7 @@ class TinyMasked(nn.Module):
 
 
 def test_a_carried_tensor_no_stage_saves_is_freed_with_the_forward() -> None:
-    torch.manual_seed(0)
-    model = TinyMasked()
-    x = torch.randn(8, 16, 12)
-    opt = torch.optim.Adam(model.parameters())
-    captured = capture(model, x, loss_fn=_loss)
-    assert captured.stages.kind == GENERIC_KIND and captured.chain.n == 5
+    model, x, opt, captured = _five_stages(TinyMasked)
     mask_bytes = 8 * 16 * 64 * 4
     assert captured.forward_only_bytes == mask_bytes
     blind = dataclasses.replace(captured, forward_only_bytes=0)
