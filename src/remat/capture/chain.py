@@ -659,8 +659,7 @@ def _measure_chain(
     # the caller's own batch tensors, of which ``batch`` is a copy: a loss_fn that reads one
     # from its closure (labels that are the batch's input_ids) reads the batch, counted above
     # (the last stage counted it as a tensor it saved: 512 B over on each HF decoder here)
-    fixed = fixed | {k: 0 for k in _keys(_tensors(callers))}
-    skip = fixed | outside
+    skip = fixed | outside | {k: 0 for k in _keys(_tensors(callers))}
     params = list(model.parameters())
     for p in params:
         p.grad = None
@@ -717,12 +716,12 @@ def _measure_chain(
             ) -> tuple[StageCost, Any]:
                 if compiled:
                     return measure_compiled_stage(
-                        run, x, fixed | outside, repeats, params, grad_layouts=layouts
+                        run, x, skip, repeats, params, grad_layouts=layouts
                     )
                 return measure_stage(
                     run,
                     x,
-                    exclude=fixed | outside,
+                    exclude=skip,
                     fake=fake,
                     repeats=repeats,
                     params=params,
@@ -777,25 +776,21 @@ def _measure_chain(
     for c in costs:
         external.update({k: v for k, v in c.external.items() if k not in skip})
     input_bytes += sum(external.values())
-    for j in range(n - 2):  # passed on by stages j+2 .. n-1, to the last
-        for key, nbytes in made[j].items():
-            if all(key in later for later in passed[j + 1 : n - 1]):
-                outs[j] -= nbytes
-                saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
-                carried[j] += nbytes
-    input_bytes += sum(carried)
     # NOTE [ Carried tensors no stage saves ]: a carried tensor no stage saves (Llama's causal
     # mask, which the attention adds and keeps no copy of) is freed when the model's forward
     # returns, unless a checkpoint holds it as a segment's input: counted in the chain's input,
     # it made the store-all step of every HF decoder 8,964 B above what it measured, and a
     # budget at the eager peak recomputed. StepCosts.forward_only_bytes
     packed = frozenset().union(*(c.packed for c in costs))
-    forward_only = sum(
-        nbytes
-        for j in range(n - 2)
-        for key, nbytes in made[j].items()
-        if key not in packed and all(key in later for later in passed[j + 1 : n - 1])
-    )
+    forward_only = 0
+    for j in range(n - 2):  # passed on by stages j+2 .. n-1, to the last
+        for key, nbytes in made[j].items():
+            if all(key in later for later in passed[j + 1 : n - 1]):
+                outs[j] -= nbytes
+                saved_bytes[j] -= nbytes  # (the output is in saved_bytes: its convention)
+                carried[j] += nbytes
+                forward_only += 0 if key in packed else nbytes
+    input_bytes += sum(carried)
     # NOTE [ The gradient of a carried tensor ]: a carried tensor that requires grad (DeBERTa's
     # relative-position embeddings, a layer norm of a parameter made before the blocks) gets a
     # gradient from each block's backward; autograd adds them up in one buffer that lives from
@@ -1016,7 +1011,7 @@ def measure_stage(
         input_grad_layouts=input_grads.layouts,
         grad_made=grad_made,
         passed_through=passed_through,
-        grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
+        grad_inputs=input_grads.positions,
         packed=frozenset(packed),
     )
     return cost, next_input
@@ -1149,7 +1144,7 @@ def measure_compiled_stage(
         input_grad_layouts=input_grads.layouts,
         grad_made=grad_made,
         passed_through=passed_through,
-        grad_inputs=tuple(i for i, t in enumerate(x_tensors) if t.requires_grad),
+        grad_inputs=input_grads.positions,
         packed=frozenset(packed),
     )
     return cost, next_input
@@ -1464,11 +1459,13 @@ def _ones(layout: Layout, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 class _InputGradLayouts:
-    """Records the layout of the gradient each of ``inputs`` that requires grad gets in a
-    backward run inside it (``layouts``, in order; None where none came)."""
+    """Records the layout of the gradient each of ``inputs`` that requires grad (at
+    ``positions``) gets in a backward run inside it (``layouts``, in order; None where none
+    came)."""
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
-        self.inputs = [t for t in inputs if t.requires_grad]
+        self.positions = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
+        self.inputs = [inputs[i] for i in self.positions]
         self.layouts: tuple[Layout | None, ...] = ()
         self._found: list[Layout | None] = [None] * len(self.inputs)
         self._handles: list[Any] = []

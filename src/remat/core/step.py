@@ -448,11 +448,12 @@ def event_step_bytes(
     if any(costs.recompute_kept_bytes):
         timeline = _with_recompute_kept(timeline, costs.recompute_kept_bytes)
     if costs.loss_bytes:
-        timeline = _with_loss(timeline, costs.loss_held * costs.loss_bytes)
+        # the loss and the gradient its backward was seeded with
+        timeline = _from_backward(timeline, costs.loss_held * costs.loss_bytes)
     if costs.carried_grads:
         timeline = _with_carried_grads(timeline, costs.carried_grads)
     if costs.forward_only_bytes and not any(_recomputations(timeline)):
-        timeline = _without_after_forward(timeline, costs.forward_only_bytes)
+        timeline = _from_backward(timeline, -costs.forward_only_bytes)
     if any(f or b for f, b in costs.op_scratch_bytes):
         scratch = costs.op_scratch_bytes
         timeline = [
@@ -556,30 +557,16 @@ def _with_recompute_kept(timeline: list[StepEvent], kept: Sequence[int]) -> list
     ]
 
 
-def _with_loss(timeline: list[StepEvent], held_bytes: int) -> list[StepEvent]:
-    """``timeline`` with ``held_bytes`` (:attr:`StepCosts.loss_held` of :attr:`StepCosts.
-    loss_bytes`: the loss and the gradient its backward was seeded with) on every event from
-    the first backward event on."""
+def _from_backward(timeline: list[StepEvent], held_bytes: int) -> list[StepEvent]:
+    """``timeline`` with ``held_bytes`` on every event from the first backward event on: the
+    loss and its seed (:attr:`StepCosts.loss_held` of :attr:`StepCosts.loss_bytes`), or, less,
+    :attr:`StepCosts.forward_only_bytes`."""
     out = []
     held = 0
     for e in timeline:
         if e.backward:
             held = held_bytes
         out.append(e._replace(peak_bytes=e.peak_bytes + held, live_bytes=e.live_bytes + held))
-    return out
-
-
-def _without_after_forward(timeline: list[StepEvent], nbytes: int) -> list[StepEvent]:
-    """``timeline`` less :attr:`StepCosts.forward_only_bytes` from its first backward event on."""
-    out = []
-    backward = False
-    for e in timeline:
-        backward = backward or e.backward
-        out.append(
-            e._replace(peak_bytes=e.peak_bytes - nbytes, live_bytes=e.live_bytes - nbytes)
-            if backward
-            else e
-        )
     return out
 
 
